@@ -1,0 +1,45 @@
+"""Storage: one protocol, one URL parser, and a registry of backends chosen by URL scheme.
+
+Backends are imported only when a URL needs them, so `--help` never loads a cloud SDK.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, Store, StorageOptions
+from streamctl.storage.url import ParsedURL, parse_url
+
+# scheme -> "module:factory"; each factory is `(ParsedURL, StorageOptions) -> Store`.
+BACKENDS: dict[str, str] = {
+    "file": "streamctl.storage.local:open_store",
+    "s3": "streamctl.storage.s3:open_store",
+    "gs": "streamctl.storage.gcs:open_store",
+    "az": "streamctl.storage.azure:open_store",
+}
+
+
+def _factory(scheme: str) -> Callable[[ParsedURL, StorageOptions], Store]:
+    module_name, _, attr = BACKENDS[scheme].partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def open_location(url: str, options: StorageOptions | None = None) -> Location:
+    """Parse `url` and open its backend; nothing is contacted until the first request."""
+    parsed = parse_url(url)
+    store = _factory(parsed.scheme)(parsed, options or StorageOptions())
+    return Location(store, parsed.prefix)
+
+
+__all__ = [
+    "BACKENDS",
+    "Location",
+    "MultipartUpload",
+    "ObjectInfo",
+    "ParsedURL",
+    "StorageOptions",
+    "Store",
+    "open_location",
+    "parse_url",
+]

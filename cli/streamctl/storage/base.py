@@ -1,0 +1,109 @@
+"""The one storage protocol every backend implements, and the types it speaks in.
+
+Keys are full object keys inside the store's bucket or container (for local folders: paths relative to
+the store's root folder, with `/` separators). Backends translate every SDK exception into the
+`streamctl.errors` tree before it leaves their module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    etag: str | None = None
+    # User metadata, keys lower-cased (every store lower-cases or preserves them differently).
+    metadata: Mapping[str, str] = field(default_factory=dict)
+
+
+class MultipartUpload(Protocol):
+    """An upload in parts; nothing is visible under `key` until `complete()` returns."""
+
+    key: str
+    part_size: int
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        """Send part `index` (0-based). Every part but the last is exactly `part_size` bytes.
+
+        Parts may be sent in any order and from several threads at once.
+        """
+        ...
+
+    def complete(self) -> ObjectInfo: ...
+
+    def abort(self) -> None:
+        """Discard every part sent; safe to call twice or after a failure."""
+        ...
+
+
+class Store(Protocol):
+    scheme: str
+    bucket: str
+    # Smallest part size a multipart upload accepts (except the last part), and the most parts.
+    min_part_size: int
+    max_parts: int
+
+    def url(self, key: str) -> str:
+        """The user-facing URL of `key` (for messages and reports)."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with `prefix` (a plain string prefix), recursively, in key order."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo: ...
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes [start, start+length) of the object; fewer when the object ends first."""
+        ...
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo: ...
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+    ) -> MultipartUpload: ...
+
+    def delete(self, key: str) -> None:
+        """Remove one object; a missing object is not an error."""
+        ...
+
+
+@dataclass(frozen=True)
+class StorageOptions:
+    """Per-invocation settings that the URL alone does not carry."""
+
+    endpoint_url: str | None = None  # S3-compatible endpoint; else AWS_ENDPOINT_URL
+    path_style: bool | None = None  # None: from RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING
+    azure_account: str | None = None  # else from the URL, AZURE_STORAGE_ACCOUNT_NAME
+    # Retries per request inside each SDK; tests turn this down to keep failures fast.
+    max_attempts: int = 5
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder-like place: a store plus a key prefix ('' for the root)."""
+
+    store: Store
+    prefix: str
+
+    def key(self, name: str) -> str:
+        """The full key of `name` (a `/`-separated relative path) under this location."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def relative(self, key: str) -> str:
+        return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    @property
+    def url(self) -> str:
+        return self.store.url(self.prefix)
+
+    def list(self) -> Iterator[ObjectInfo]:
+        """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded)."""
+        return self.store.list(f"{self.prefix}/" if self.prefix else "")

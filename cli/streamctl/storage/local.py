@@ -1,0 +1,210 @@
+"""Local folders as a store: the folder is the bucket, keys are `/`-separated relative paths.
+
+Writes go to a hidden temporary file in the same folder and are renamed into place when complete, so
+a final name never holds a partial file. User metadata is kept in extended attributes where the file
+system supports them (elsewhere it is dropped and callers fall back to hashing the file).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.storage.base import ObjectInfo, StorageOptions
+from streamctl.storage.url import ParsedURL
+
+PARTIAL_SUFFIX = ".streamctl-partial"
+_XATTR_PREFIX = "user.streamctl."
+
+
+def _map_os_error(error: OSError, path: Path) -> StreamctlError:
+    if isinstance(error, FileNotFoundError) or error.errno == errno.ENOENT:
+        return NotFoundError(f"{path}: no such file or folder")
+    if isinstance(error, PermissionError) or error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return AccessDeniedError(f"{path}: permission denied", hint="check the folder's owner and mode")
+    if isinstance(error, IsADirectoryError) or isinstance(error, NotADirectoryError):
+        return UsageError(f"{path}: {error.strerror}")
+    if error.errno == errno.ENOSPC:
+        return RemoteError(f"{path}: no space left on device", hint="free disk space or choose another folder")
+    return RemoteError(f"{path}: {error.strerror or error}")
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    try:
+        names = os.listxattr(path)
+    except (OSError, AttributeError):
+        return {}
+    metadata = {}
+    for name in names:
+        if name.startswith(_XATTR_PREFIX):
+            try:
+                metadata[name[len(_XATTR_PREFIX) :]] = os.getxattr(path, name).decode("utf-8", "replace")
+            except OSError:
+                continue
+    return metadata
+
+
+def _write_metadata(path: Path, metadata: Mapping[str, str] | None) -> None:
+    for name, value in (metadata or {}).items():
+        try:
+            os.setxattr(path, _XATTR_PREFIX + name.lower(), value.encode())
+        except (OSError, AttributeError):
+            return  # no xattr support here: metadata is an optimisation, not a requirement
+
+
+def _temporary_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
+
+
+@dataclass
+class LocalMultipartUpload:
+    key: str
+    part_size: int
+    final_path: Path
+    temporary_path: Path
+    metadata: Mapping[str, str]
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _fd: int | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            self.final_path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(self.temporary_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as error:
+            raise _map_os_error(error, self.final_path) from None
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        if self._fd is None:
+            raise UsageError(f"upload of {self.key} is already finished")
+        try:
+            os.pwrite(self._fd, data, index * self.part_size)
+        except OSError as error:
+            raise _map_os_error(error, self.final_path) from None
+
+    def complete(self) -> ObjectInfo:
+        with self._lock:
+            if self._fd is None:
+                raise UsageError(f"upload of {self.key} is already finished")
+            try:
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = None
+                _write_metadata(self.temporary_path, self.metadata)
+                os.replace(self.temporary_path, self.final_path)
+                size = self.final_path.stat().st_size
+            except OSError as error:
+                raise _map_os_error(error, self.final_path) from None
+        return ObjectInfo(self.key, size, None, dict(self.metadata))
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self.temporary_path.unlink(missing_ok=True)
+
+
+@dataclass
+class LocalStore:
+    root: Path
+    scheme: str = "file"
+    bucket: str = ""
+    min_part_size: int = 1
+    max_parts: int = 1_000_000
+
+    def url(self, key: str) -> str:
+        return str(self.root / key) if key else str(self.root)
+
+    def _path(self, key: str) -> Path:
+        parts = [part for part in key.split("/") if part]
+        if any(part in ("..", ".") for part in parts) or "\\" in key:
+            raise UsageError(f"unsafe path {key!r}")
+        return self.root.joinpath(*parts)
+
+    def _info(self, key: str, path: Path) -> ObjectInfo:
+        stat = path.stat()
+        etag = f"{stat.st_mtime_ns:x}-{stat.st_size:x}"
+        return ObjectInfo(key, stat.st_size, etag, _read_metadata(path))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if not self.root.exists():
+            raise NotFoundError(f"{self.root}: no such folder")
+        if not self.root.is_dir():
+            raise UsageError(f"{self.root} is not a folder")
+        # Walk only the folder the prefix points into, then filter by the string prefix.
+        base_dir, _, _ = prefix.rpartition("/")
+        start = self._path(base_dir)
+        if not start.is_dir():
+            return
+        found: list[str] = []
+        try:
+            for folder, dirs, files in os.walk(start, onerror=None):
+                dirs.sort()
+                relative_folder = Path(folder).relative_to(self.root).as_posix()
+                for name in files:
+                    if name.endswith(PARTIAL_SUFFIX):
+                        continue
+                    key = name if relative_folder == "." else f"{relative_folder}/{name}"
+                    if key.startswith(prefix):
+                        found.append(key)
+        except OSError as error:
+            raise _map_os_error(error, start) from None
+        for key in sorted(found):
+            try:
+                yield self._info(key, self._path(key))
+            except FileNotFoundError:
+                continue  # removed while listing
+            except OSError as error:
+                raise _map_os_error(error, self._path(key)) from None
+
+    def stat(self, key: str) -> ObjectInfo:
+        path = self._path(key)
+        try:
+            if path.is_dir():
+                raise NotFoundError(f"{path} is a folder, not a file")
+            return self._info(key, path)
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        if start < 0 or length < 0:
+            raise UsageError(f"invalid range {start}+{length}")
+        path = self._path(key)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(start)
+                return handle.read(length)
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        upload = self.start_multipart(key, max(1, len(data)), metadata)
+        try:
+            upload.upload_part(0, data)
+            return upload.complete()
+        except BaseException:
+            upload.abort()
+            raise
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+    ) -> LocalMultipartUpload:
+        final = self._path(key)
+        return LocalMultipartUpload(key, part_size, final, _temporary_path(final), dict(metadata or {}))
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+
+
+def open_store(parsed: ParsedURL, options: StorageOptions) -> LocalStore:
+    return LocalStore(Path(os.path.abspath(os.path.expanduser(parsed.bucket))))

@@ -1,0 +1,65 @@
+"""Parse the locations users type into (scheme, bucket, prefix, account)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+from streamctl.errors import UsageError
+
+OBJECT_SCHEMES = ("s3", "gs", "az")
+_AZURE_HTTPS = re.compile(r"^https://([a-z0-9]{3,24})\.blob\.core\.windows\.net(?:/(.*))?$", re.IGNORECASE)
+_BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+
+
+@dataclass(frozen=True)
+class ParsedURL:
+    scheme: str  # "file", "s3", "gs", "az"
+    bucket: str  # bucket or container; for "file" the folder path
+    prefix: str  # key prefix without leading or trailing "/"
+    account: str | None = None  # Azure storage account when the URL names one
+
+    @property
+    def is_remote(self) -> bool:
+        return self.scheme != "file"
+
+
+def _split_bucket(rest: str, url: str) -> tuple[str, str]:
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise UsageError(f"no bucket in {url!r}", hint="write it as SCHEME://BUCKET/PREFIX")
+    if not _BUCKET.match(bucket):
+        raise UsageError(f"invalid bucket or container name {bucket!r} in {url!r}")
+    prefix = prefix.strip("/")
+    if any(part in ("..", ".") for part in prefix.split("/")) or "//" in prefix:
+        raise UsageError(f"invalid prefix {prefix!r} in {url!r}", hint="remove '.', '..' and empty path segments")
+    return bucket, prefix
+
+
+def parse_url(url: str) -> ParsedURL:
+    """Accept local paths, file://, s3://, gs://, az:// and https://ACCOUNT.blob.core.windows.net/..."""
+    if not url or not url.strip():
+        raise UsageError("empty location")
+    azure = _AZURE_HTTPS.match(url)
+    if azure:
+        bucket, prefix = _split_bucket(unquote(azure.group(2) or ""), url)
+        return ParsedURL("az", bucket, prefix, azure.group(1).lower())
+    match = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", url)
+    if not match:
+        return ParsedURL("file", url, "")
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme == "file":
+        path = unquote(urlparse(url).path)
+        if not path:
+            raise UsageError(f"no path in {url!r}")
+        return ParsedURL("file", path, "")
+    if scheme == "gcs":
+        scheme = "gs"
+    if scheme not in OBJECT_SCHEMES:
+        raise UsageError(
+            f"unsupported scheme {scheme}:// in {url!r}",
+            hint="use a local path, file://, s3://, gs://, az:// or https://ACCOUNT.blob.core.windows.net/...",
+        )
+    bucket, prefix = _split_bucket(rest, url)
+    return ParsedURL(scheme, bucket, prefix)
