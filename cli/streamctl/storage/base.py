@@ -82,6 +82,9 @@ class StorageOptions:
     endpoint_url: str | None = None  # S3-compatible endpoint; else AWS_ENDPOINT_URL
     path_style: bool | None = None  # None: from RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING
     azure_account: str | None = None  # else from the URL, AZURE_STORAGE_ACCOUNT_NAME
+    hf_token: str | None = None  # else HF_TOKEN or the huggingface_hub login
+    hf_revision: str | None = None  # branch, tag or commit for hf:// sources (else the URL's @REV, else main)
+    hf_repo_type: str | None = None  # "model" (default) or "dataset"
     # Retries per request inside each SDK; tests turn this down to keep failures fast.
     max_attempts: int = 5
 
