@@ -1,0 +1,61 @@
+"""The Typer application and the one place where errors become exit codes."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from streamctl import __version__, output
+from streamctl.commands import verify_index
+from streamctl.errors import EXIT_INTERRUPTED, StreamctlError
+
+# Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
+EXIT_INTERNAL_ERROR = 70
+
+app = typer.Typer(
+    name="streamctl",
+    help="Stage LLM checkpoints into object storage and serve them with vLLM and the Run:ai Model Streamer.",
+    no_args_is_help=True,
+    add_completion=False,  # completions are generated and committed under completions/
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"streamctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global_options(
+    debug: Annotated[
+        bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")] = False,
+    version: Annotated[
+        Optional[bool],
+        typer.Option("--version", callback=_show_version, is_eager=True, help="Print the version and exit."),
+    ] = None,
+) -> None:
+    output.configure(debug=debug, quiet=quiet)
+
+
+app.command("verify-index", no_args_is_help=True)(verify_index.command)
+
+
+def main() -> None:
+    try:
+        app(prog_name="streamctl")
+    except StreamctlError as error:
+        output.print_error(error)
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        output.print_error(StreamctlError("interrupted"))
+        sys.exit(EXIT_INTERRUPTED)
+    except Exception as error:  # a bug: say so in one line, traceback only on request
+        output.print_internal_error(error)
+        sys.exit(EXIT_INTERNAL_ERROR)

@@ -1,0 +1,1 @@
+"""Thin Typer commands: parse arguments, call the library, render the result."""

@@ -1,0 +1,96 @@
+"""`streamctl verify-index`: check a checkpoint's index against its shard headers, reading headers only."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from streamctl import output
+from streamctl.commands.common import (
+    AzureAccountOption,
+    DebugOption,
+    EndpointOption,
+    JsonOption,
+    PathStyleOption,
+    QuietOption,
+    apply_output_flags,
+)
+
+
+def command(
+    checkpoint: Annotated[
+        str,
+        typer.Argument(help="Local folder, s3://, gs://, az:// or https://ACCOUNT.blob.core.windows.net/ prefix."),
+    ],
+    index: Annotated[
+        Optional[str],
+        typer.Option("--index", help="Index file name (default: model.safetensors.index.json if present)."),
+    ] = None,
+    expect: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--expect",
+            metavar="GLOB=FILE[,FILE...]",
+            help="Every tensor matching GLOB must live in one of the FILEs (repeatable).",
+        ),
+    ] = None,
+    sharded: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--sharded/--not-sharded",
+            help="Treat as vLLM sharded state (model-rank-*); default: detect from file names.",
+            show_default=False,
+        ),
+    ] = None,
+    tensor_parallel_size: Annotated[
+        Optional[int],
+        typer.Option("--tensor-parallel-size", "-tp", min=1, help="Expected TP ranks (sharded; default: inferred)."),
+    ] = None,
+    pipeline_parallel_size: Annotated[
+        Optional[int],
+        typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Expected PP stages (sharded; default: inferred)."),
+    ] = None,
+    pattern: Annotated[
+        Optional[str],
+        typer.Option("--pattern", help="Sharded file name pattern with {rank} or {tp_rank}, {pp_rank}, {part}."),
+    ] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel header reads.")] = 16,
+    endpoint_url: EndpointOption = None,
+    path_style: PathStyleOption = None,
+    azure_account: AzureAccountOption = None,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Check a checkpoint index against the safetensors shard headers, locally or in a bucket.
+
+    Reads only object sizes and headers (about 100 kB per shard); tensor data is never downloaded.
+    Exit 0 when clean, 1 when any error is found (or any warning with --strict).
+    """
+    apply_output_flags(json_output, quiet, debug)
+    from streamctl.storage import StorageOptions, open_location
+    from streamctl.verify import VerifyOptions, parse_expectation, verify_checkpoint
+
+    expectations = tuple(parse_expectation(text) for text in expect or ())
+    location = open_location(
+        checkpoint, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+    )
+    options = VerifyOptions(
+        index_name=index,
+        expectations=expectations,
+        sharded=sharded,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        pattern=pattern,
+        concurrency=concurrency,
+    )
+    with output.progress() as progress:
+        report = verify_checkpoint(location, options, progress)
+    if output.settings.json:
+        output.print_json(report.to_json())
+    else:
+        output.render_verify_report(report)
+    if not report.ok or (strict and report.warnings):
+        raise typer.Exit(1)

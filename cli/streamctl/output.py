@@ -1,0 +1,177 @@
+"""Everything streamctl shows a person: errors, progress bars, reports, and the single JSON document.
+
+stdout carries the result (a report, or exactly one JSON document with --json); stderr carries progress
+and logs, which are off with --quiet, --json, or when stderr is not a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+
+from streamctl.errors import StreamctlError
+from streamctl.progress import NULL_PROGRESS, Progress
+
+if TYPE_CHECKING:
+    from rich.progress import Progress as RichProgressBars
+
+    from streamctl.verify import VerifyReport
+
+
+@dataclass
+class Settings:
+    debug: bool = False
+    quiet: bool = False
+    json: bool = False
+
+
+settings = Settings(debug=os.environ.get("STREAMCTL_DEBUG", "") not in ("", "0", "false"))
+
+
+def configure(*, debug: bool | None = None, quiet: bool | None = None, json_output: bool | None = None) -> None:
+    """Merge global and per-command flags: any place that turns a flag on turns it on."""
+    settings.debug = settings.debug or bool(debug)
+    settings.quiet = settings.quiet or bool(quiet)
+    settings.json = settings.json or bool(json_output)
+
+
+def stdout() -> Console:
+    return Console(soft_wrap=True)
+
+
+def stderr() -> Console:
+    return Console(stderr=True, soft_wrap=True)
+
+
+def chatty() -> bool:
+    """Whether progress and logs go to stderr at all."""
+    return not (settings.quiet or settings.json) and sys.stderr.isatty()
+
+
+def print_json(document: Any) -> None:
+    sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def print_error(error: StreamctlError) -> None:
+    if settings.debug and error.__traceback__ is not None:
+        traceback.print_exception(error, file=sys.stderr)
+    console = stderr()
+    console.print(f"[bold red]error:[/] {error.message}", markup=True, highlight=False)
+    if error.hint:
+        console.print(f"[yellow]hint:[/] {error.hint}", markup=True, highlight=False)
+
+
+def print_internal_error(error: BaseException) -> None:
+    if settings.debug:
+        traceback.print_exception(error, file=sys.stderr)
+    first_line = (str(error).splitlines() or [""])[0]
+    stderr().print(
+        f"[bold red]internal error:[/] {type(error).__name__}: {first_line}",
+        markup=True,
+        highlight=False,
+    )
+    if not settings.debug:
+        stderr().print("[yellow]hint:[/] rerun with --debug for a traceback and report it", markup=True)
+
+
+def log(message: str) -> None:
+    if chatty():
+        stderr().print(message, markup=False, highlight=False)
+
+
+class RichProgress:
+    """The library's Progress protocol drawn as Rich bars on stderr; safe to call from worker threads."""
+
+    def __init__(self, bars: RichProgressBars) -> None:
+        self._bars = bars
+        self._lock = threading.Lock()
+
+    def task(self, description: str, total: int | None) -> int:
+        with self._lock:
+            return int(self._bars.add_task(description, total=total))
+
+    def advance(self, task_id: int, amount: int) -> None:
+        self._bars.advance(task_id, amount)  # type: ignore[arg-type]
+
+    def done(self, task_id: int) -> None:
+        with self._lock:
+            self._bars.remove_task(task_id)  # type: ignore[arg-type]
+
+    def log(self, message: str) -> None:
+        self._bars.console.print(message, markup=False, highlight=False)
+
+
+@contextmanager
+def progress(byte_counts: bool = False) -> Iterator[Progress]:
+    """Bars on stderr when chatty, else the silent implementation."""
+    if not chatty():
+        yield NULL_PROGRESS
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import Progress as RichProgressBars
+
+    counts = (DownloadColumn(), TransferSpeedColumn()) if byte_counts else (MofNCompleteColumn(),)
+    bars = RichProgressBars(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        *counts,
+        TimeRemainingColumn(),
+        console=stderr(),
+        transient=True,
+    )
+    with bars:
+        yield RichProgress(bars)
+
+
+def human_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    return f"{count} B"
+
+
+def render_verify_report(report: VerifyReport) -> None:
+    from rich.table import Table
+
+    console = stdout()
+    if report.findings:
+        table = Table(show_lines=False, header_style="bold")
+        for column in ("severity", "code", "file", "tensor", "message"):
+            table.add_column(column, overflow="fold")
+        for finding in report.findings:
+            style = "red" if finding.severity == "error" else "yellow"
+            table.add_row(
+                f"[{style}]{finding.severity}[/]",
+                finding.code,
+                finding.file or "",
+                finding.tensor or "",
+                finding.message,
+            )
+        console.print(table)
+    stats = report.stats
+    verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
+    console.print(
+        f"{verdict} {report.checkpoint} ({report.layout}): {len(report.errors)} errors, "
+        f"{len(report.warnings)} warnings; {stats.files} files, {stats.tensors} tensors, "
+        f"{human_bytes(stats.total_bytes)} checkpoint, {human_bytes(stats.bytes_read)} of headers read "
+        f"in {stats.requests} requests, {stats.seconds:.2f} s",
+        highlight=False,
+    )
