@@ -24,6 +24,7 @@ from streamctl.progress import NULL_PROGRESS, Progress
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
 
+    from streamctl.transfer import TransferPlan, TransferResult
     from streamctl.verify import VerifyReport
 
 
@@ -173,5 +174,36 @@ def render_verify_report(report: VerifyReport) -> None:
         f"{len(report.warnings)} warnings; {stats.files} files, {stats.tensors} tensors, "
         f"{human_bytes(stats.total_bytes)} checkpoint, {human_bytes(stats.bytes_read)} of headers read "
         f"in {stats.requests} requests, {stats.seconds:.2f} s",
+        highlight=False,
+    )
+
+
+def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
+    from rich.table import Table
+
+    console = stderr() if to_stderr else stdout()
+    table = Table(header_style="bold", title=f"{plan.source} -> {plan.dest}" + (f" @ {plan.commit}" if plan.commit else ""))
+    for column in ("action", "size", "file", "reason"):
+        table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
+    for file in plan.files:
+        style = "green" if file.action == "copy" else "dim"
+        table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), file.path, file.reason)
+    for selection in plan.excluded:
+        table.add_row("[yellow]leave out[/]", "", selection.path, selection.reason)
+    console.print(table)
+    copying = sum(1 for file in plan.files if file.action == "copy")
+    console.print(
+        f"{copying} of {len(plan.files)} files to copy ({human_bytes(plan.copy_bytes)} of "
+        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out",
+        highlight=False,
+    )
+
+
+def render_transfer_result(result: TransferResult) -> None:
+    copied = sum(1 for file in result.files if file.action == "copied")
+    skipped = len(result.files) - copied
+    stdout().print(
+        f"[bold green]done[/] {result.dest}: {copied} copied, {skipped} unchanged; "
+        f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
         highlight=False,
     )

@@ -19,6 +19,8 @@ class ParsedURL:
     bucket: str  # bucket or container; for "file" the folder path
     prefix: str  # key prefix without leading or trailing "/"
     account: str | None = None  # Azure storage account when the URL names one
+    revision: str | None = None  # hf:// only: the @REV (branch, tag or commit), else None (default branch)
+    repo_type: str | None = None  # hf:// only: "model" or "dataset"
 
     @property
     def is_remote(self) -> bool:
@@ -35,6 +37,39 @@ def _split_bucket(rest: str, url: str) -> tuple[str, str]:
     if any(part in ("..", ".") for part in prefix.split("/")) or "//" in prefix:
         raise UsageError(f"invalid prefix {prefix!r} in {url!r}", hint="remove '.', '..' and empty path segments")
     return bucket, prefix
+
+
+_HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_HF_SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)(?=/|$)")
+
+
+def _parse_hf(rest: str, url: str) -> ParsedURL:
+    """hf://[models/|datasets/]ORG/NAME[@REV][/PATH], huggingface_hub's own hf:// grammar: bucket = repo id,
+    prefix = path in the repo. A revision containing '/' is written with %2F, except refs/pr/N."""
+    kind, _, tail = rest.partition("/")
+    repo_type = {"models": "model", "datasets": "dataset"}.get(kind)
+    if repo_type is not None:
+        rest = tail
+    elif kind in ("spaces", "kernels", "buckets"):
+        raise UsageError(f"unsupported Hugging Face repo type {kind!r} in {url!r}", hint="use a model or dataset repo")
+    org, _, tail = rest.partition("/")
+    name, at, tail = tail.partition("@")
+    revision = None
+    if at:
+        special = _HF_SPECIAL_REF.match(tail)
+        revision, _, tail = (special.group(0), "", tail[special.end() :]) if special else tail.partition("/")
+        revision = unquote(revision)
+    else:
+        name, _, tail = name.partition("/")
+    repo = f"{org}/{name}"
+    if not all(_HF_NAME.match(part) for part in (org, name)) or ".." in repo or "--" in repo:
+        raise UsageError(f"invalid Hugging Face repo id {repo!r} in {url!r}", hint="write it as hf://ORG/NAME[@REV]")
+    if at and not revision:
+        raise UsageError(f"empty revision in {url!r}", hint="write it as hf://ORG/NAME@BRANCH-TAG-OR-COMMIT")
+    prefix = tail.strip("/")
+    if any(part in ("..", ".") for part in prefix.split("/")) or "//" in prefix or "\\" in prefix:
+        raise UsageError(f"invalid path {prefix!r} in {url!r}", hint="remove '.', '..' and empty path segments")
+    return ParsedURL("hf", repo, prefix, revision=revision, repo_type=repo_type or "model")
 
 
 def parse_url(url: str) -> ParsedURL:
@@ -56,6 +91,8 @@ def parse_url(url: str) -> ParsedURL:
         return ParsedURL("file", path, "")
     if scheme == "gcs":
         scheme = "gs"
+    if scheme == "hf":
+        return _parse_hf(rest, url)
     if scheme not in OBJECT_SCHEMES:
         raise UsageError(
             f"unsupported scheme {scheme}:// in {url!r}",

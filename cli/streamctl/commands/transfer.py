@@ -1,0 +1,158 @@
+"""`streamctl transfer`: a Hugging Face repo, local folder or bucket prefix into a bucket or folder."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from streamctl import output
+from streamctl.commands.common import (
+    AzureAccountOption,
+    DebugOption,
+    EndpointOption,
+    JsonOption,
+    PathStyleOption,
+    QuietOption,
+    apply_output_flags,
+)
+
+
+class RepoType(str, Enum):
+    model = "model"
+    dataset = "dataset"
+
+
+def command(
+    source: Annotated[str, typer.Argument(help="hf://ORG/NAME, ORG/NAME, a local folder, or a bucket prefix.")],
+    dest: Annotated[str, typer.Argument(help="gs://, s3://, az:// prefix or a local folder.")],
+    revision: Annotated[
+        Optional[str], typer.Option("--revision", help="Branch, tag or commit (resolved to one commit).")
+    ] = None,
+    repo_type: Annotated[RepoType, typer.Option("--repo-type", help="Hugging Face repo type.")] = RepoType.model,
+    include: Annotated[
+        Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Also copy matching files (repeatable).")
+    ] = None,
+    exclude: Annotated[
+        Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave out matching files (repeatable).")
+    ] = None,
+    all_files: Annotated[bool, typer.Option("--all-files", help="Copy every file, not just what vLLM needs.")] = False,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel parts in flight.")
+    ] = 16,
+    part_size: Annotated[str, typer.Option("--part-size", metavar="SIZE", help="Multipart part size.")] = "16MiB",
+    max_buffer: Annotated[
+        str, typer.Option("--max-buffer", metavar="SIZE", help="Most bytes held in memory at once.")
+    ] = "256MiB",
+    token: Annotated[
+        Optional[str],
+        typer.Option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
+    ] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; touch nothing.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Copy every file again; ignore the manifest.")] = False,
+    verify: Annotated[
+        bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")
+    ] = True,
+    k8s_job: Annotated[
+        bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
+    ] = False,
+    namespace: Annotated[str, typer.Option("--namespace", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
+    service_account: Annotated[
+        Optional[str],
+        typer.Option("--service-account", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
+    ] = None,
+    secret: Annotated[
+        Optional[str],
+        typer.Option("--secret", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
+    ] = None,
+    image: Annotated[
+        Optional[str],
+        typer.Option("--image", help="Image with streamctl installed (default: pip install at start).", rich_help_panel="Kubernetes"),
+    ] = None,
+    endpoint_url: EndpointOption = None,
+    path_style: PathStyleOption = None,
+    azure_account: AzureAccountOption = None,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Copy a model into a bucket: parallel, bounded memory, resumable, sha256-verified end to end.
+
+    Only what vLLM needs to serve is copied by default (safetensors, index, configs, tokenizer); the plan
+    lists what is left out and why. Re-runs skip objects whose size and sha256 already match.
+    """
+    apply_output_flags(json_output, quiet, debug)
+    from streamctl.k8s import k8s_name, to_yaml, transfer_job
+    from streamctl.sizes import parse_size
+    from streamctl.storage import StorageOptions, open_location
+    from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer, resolve_source_url
+
+    options = TransferOptions(
+        include=tuple(include or ()),
+        exclude=tuple(exclude or ()),
+        all_files=all_files,
+        concurrency=concurrency,
+        part_size=parse_size(part_size, "--part-size"),
+        max_buffer=parse_size(max_buffer, "--max-buffer"),
+        force=force,
+    )
+    options.validate()
+    source_url = resolve_source_url(source, repo_type.value)
+    if k8s_job:
+        arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
+        arguments += [f"--revision={revision}"] if revision else []
+        arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
+        arguments += ["--all-files"] * all_files + ["--force"] * force + ["--no-verify"] * (not verify)
+        arguments += [f"--endpoint-url={endpoint_url}"] if endpoint_url else []
+        arguments += ["--path-style"] if path_style else []
+        arguments += [f"--azure-account={azure_account}"] if azure_account else []
+        env = {"STREAMCTL_DEBUG": "1"} if output.settings.debug else {}
+        if token and not secret:
+            output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
+        from streamctl import __version__
+
+        job = transfer_job(
+            arguments,
+            name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
+            namespace=namespace,
+            image=image,
+            version=__version__,
+            service_account=service_account,
+            secret=secret,
+            env=env,
+        )
+        typer.echo(to_yaml(job), nl=False)
+        return
+
+    storage = dict(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+    source_location = open_location(
+        source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value, **storage)
+    )
+    dest_location = open_location(dest, StorageOptions(**storage))
+    plan = plan_transfer(source_location, dest_location, source_location.url, options)
+    if dry_run:
+        if output.settings.json:
+            output.print_json(plan.to_json())
+        else:
+            output.render_transfer_plan(plan)
+        return
+    if output.chatty():
+        output.render_transfer_plan(plan, to_stderr=True)
+    with output.progress(byte_counts=True) as progress:
+        result = execute_transfer(plan, source_location, dest_location, options, progress)
+    report = None
+    if verify and any(file.path.endswith(".safetensors") for file in plan.files):
+        from streamctl.verify import verify_checkpoint
+
+        report = verify_checkpoint(dest_location)
+    if output.settings.json:
+        document = result.to_json()
+        document["verify"] = report.to_json() if report else None
+        output.print_json(document)
+    else:
+        output.render_transfer_result(result)
+        if report is not None and not report.ok:
+            output.render_verify_report(report)
+    if report is not None and not report.ok:
+        raise typer.Exit(1)

@@ -1,0 +1,555 @@
+"""The safetensors format: check a header against the format's rules, and write small files.
+
+Pure functions, no numpy. The only I/O is `read_header` and `write_safetensors`, through a `Store`.
+The rules are numbered as in `shared/specs/safetensors-and-index.md`; every check needs only the object
+size and the first 8 + N bytes, so tensor data is never read.
+
+A header is untrusted input: nothing is allocated from its length field before that length has been
+checked against the object size and the 100,000,000-byte cap, JSON nesting is bounded before parsing,
+and problems come back as values (`HeaderProblem`) instead of exceptions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from streamctl.errors import NotFoundError, UsageError
+from streamctl.storage.base import ObjectInfo, Store
+
+Severity = Literal["error", "warning"]
+
+HEADER_LENGTH_BYTES = 8
+# Rule 2: the reference reader and the Run:ai streamer refuse larger headers; huggingface_hub refuses
+# headers above 25,000,000 bytes, so those only get a warning.
+MAX_HEADER_BYTES = 100_000_000
+HF_MAX_HEADER_BYTES = 25_000_000
+DEFAULT_SPECULATIVE_BYTES = 100_000  # what huggingface_hub reads first ("97% of headers are smaller")
+U64_MAX = 2**64 - 1  # the reference reader stores shapes and offsets as usize (64-bit)
+# A valid header nests three levels deep (object -> tensor entry -> shape list); anything far deeper is
+# an attack or garbage, and must be refused before the recursive JSON parser sees it.
+MAX_JSON_DEPTH = 64
+# The smallest possible tensor entry (`"":{"dtype":"U8","shape":[],"data_offsets":[0,0]}`) is 47 bytes
+# for 3 containers, so a valid header never has more than one container per 15 bytes. Many more means a
+# JSON bomb such as `[[],[],...]` that would cost ~60 bytes of memory per 2 bytes of input.
+_MIN_BYTES_PER_CONTAINER = 8
+_FLOOD_CHECK_FROM_CHARS = 1_000_000
+
+# Rule 7: bits per element.
+DTYPE_BITS: Mapping[str, int] = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E8M0": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "F4": 4,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "I64": 64,
+    "U64": 64,
+    "F64": 64,
+    "C64": 64,
+}
+
+METADATA_KEY = "__metadata__"
+TENSOR_FIELDS = ("dtype", "shape", "data_offsets")
+_JSON_WHITESPACE = " \t\n\r"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # relative to the data buffer, which starts at 8 + N
+    end: int  # exclusive
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class HeaderProblem:
+    code: str
+    tensor: str | None
+    message: str
+    severity: Severity = "error"
+
+
+@dataclass(frozen=True)
+class ParsedHeader:
+    """What a header says, and every rule it breaks. `tensors` holds only well-formed entries."""
+
+    header_length: int  # N
+    tensors: tuple[TensorInfo, ...]
+    metadata: Mapping[str, str] | None
+    problems: tuple[HeaderProblem, ...]
+    # True when the JSON parsed and every tensor entry was well-formed, so `tensors` lists all of them.
+    complete: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not any(problem.severity == "error" for problem in self.problems)
+
+    @property
+    def data_bytes(self) -> int:
+        return max((tensor.end for tensor in self.tensors), default=0)
+
+
+@dataclass(frozen=True)
+class JsonDocument:
+    """The result of `decode_json_strictly`: a value, or the reason there is none."""
+
+    value: Any
+    error: HeaderProblem | None
+    # (object, key) for every key that appeared twice in one object; the object is the dict inside
+    # `value` that holds it, so callers can tell the root or a nested map (`owner is value`).
+    duplicate_keys: tuple[tuple[Mapping[str, Any], str], ...] = ()
+
+
+@dataclass(frozen=True)
+class HeaderRead:
+    """The outcome of `read_header`: the N header bytes, or the problem that stopped the read."""
+
+    header_json: bytes | None
+    problem: HeaderProblem | None
+    requests: int
+    bytes_read: int
+
+
+def _error(code: str, message: str, tensor: str | None = None) -> HeaderProblem:
+    return HeaderProblem(code, tensor, message, "error")
+
+
+def _warning(code: str, message: str, tensor: str | None = None) -> HeaderProblem:
+    return HeaderProblem(code, tensor, message, "warning")
+
+
+def printable(text: str) -> str:
+    """`text` with lone surrogates escaped, so it can be printed and encoded as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules 1-3: the length field
+
+
+def decode_header_length(prefix: bytes) -> int:
+    """Rule 1: N, the unsigned 64-bit little-endian integer in bytes 0..8. `prefix` must hold 8 bytes."""
+    if len(prefix) < HEADER_LENGTH_BYTES:
+        raise ValueError("need 8 bytes to decode a safetensors header length")
+    return struct.unpack("<Q", prefix[:HEADER_LENGTH_BYTES])[0]
+
+
+def check_header_length(header_length: int, object_size: int) -> HeaderProblem | None:
+    """Rules 2 and 3 as errors; None when N may be read. (The 25 MB warning comes with the parse.)"""
+    if header_length > MAX_HEADER_BYTES:
+        return _error(
+            "header-too-large",
+            f"header length {header_length:,} exceeds the {MAX_HEADER_BYTES:,}-byte limit of the safetensors "
+            "reader and the Run:ai streamer",
+        )
+    if HEADER_LENGTH_BYTES + header_length > object_size:
+        return _error(
+            "header-exceeds-file",
+            f"header length {header_length:,} needs {HEADER_LENGTH_BYTES + header_length:,} bytes but the "
+            f"object has {object_size:,}",
+        )
+    return None
+
+
+def _file_too_small(object_size: int) -> HeaderProblem:
+    return _error("file-too-small", f"{object_size} bytes: a safetensors file starts with an 8-byte header length")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rule 4 and 6: strict JSON
+
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+
+
+def _json_complexity_problem(text: str, max_depth: int, what: str) -> HeaderProblem | None:
+    """Refuse deep nesting and container floods before `json.loads` recurses or allocates for them."""
+    skeleton = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))  # brackets inside strings aren't structure
+    containers = 0
+    depth = 0
+    for char in skeleton:
+        if char in "[{":
+            depth += 1
+            containers += 1
+            if depth > max_depth:
+                return _error("header-too-complex", f"{what} JSON is nested deeper than {max_depth} levels")
+        else:
+            depth -= 1
+    # Only large documents can cost much memory; small ones (config.json) may legitimately be dense.
+    if len(text) > _FLOOD_CHECK_FROM_CHARS and containers > len(text) // _MIN_BYTES_PER_CONTAINER:
+        return _error("header-too-complex", f"{what} JSON has {containers:,} arrays/objects in {len(text):,} characters")
+    return None
+
+
+class _RejectedConstant(ValueError):
+    pass
+
+
+def _reject_constant(name: str) -> Any:
+    # Python's json accepts NaN and Infinity; JSON (and serde_json in the reference reader) does not.
+    raise _RejectedConstant(f"{name} is not valid JSON")
+
+
+def _parse_int(digits: str) -> int:
+    # Python refuses to convert more than 4300 digits (ValueError); anything past 40 digits is far out of
+    # the 64-bit range anyway, so keep a value that every range check rejects.
+    return int(digits) if len(digits) <= 40 else 10**40
+
+
+def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: str = "header") -> JsonDocument:
+    """Decode UTF-8 JSON the way the reference reader would accept it, recording duplicate keys.
+
+    Never raises for bad input: invalid UTF-8, invalid JSON, NaN/Infinity, excessive nesting and
+    container floods all come back as `JsonDocument.error` (with `header-*` codes; `what` names the
+    document in messages, and callers checking other documents map the code to their own).
+    """
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return JsonDocument(None, _error("header-not-utf8", f"{what} is not UTF-8 ({error.reason} at byte {error.start})"))
+    complexity = _json_complexity_problem(text, max_depth, what)
+    if complexity is not None:
+        return JsonDocument(None, complexity)
+    duplicates: list[tuple[dict[str, Any], str]] = []
+
+    def collect_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in result:
+                duplicates.append((result, key))  # keep the dict alive so identity checks stay valid
+            result[key] = value
+        return result
+
+    try:
+        value = json.loads(
+            text, object_pairs_hook=collect_pairs, parse_constant=_reject_constant, parse_int=_parse_int
+        )
+    except RecursionError:
+        return JsonDocument(None, _error("header-too-complex", f"{what} JSON is nested too deeply"))
+    except ValueError as error:  # JSONDecodeError, NaN/Infinity
+        return JsonDocument(None, _error("header-invalid-json", f"{what} is not valid JSON: {error}"))
+    return JsonDocument(value, None, tuple(duplicates))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rules 4-9: the parsed header
+
+
+def _is_u64(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+
+
+def _has_lone_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_metadata(value: Any) -> tuple[Mapping[str, str] | None, list[HeaderProblem]]:
+    if value is None:
+        # serde reads `null` as "no metadata"; the format says a map.
+        return None, [_warning("bad-metadata", "__metadata__ is null; the format expects a map of strings")]
+    if not isinstance(value, dict):
+        return None, [_error("bad-metadata", f"__metadata__ must be a map of strings, not {type(value).__name__}")]
+    bad = [key for key, item in value.items() if not isinstance(item, str)]
+    if bad:
+        return None, [
+            _error("bad-metadata", f"__metadata__ values must be strings; {printable(bad[0])!r} is {type(value[bad[0]]).__name__}")
+        ]
+    if any(_has_lone_surrogate(key) or _has_lone_surrogate(item) for key, item in value.items()):
+        return None, [_error("bad-metadata", "__metadata__ holds a lone UTF-16 surrogate, which is not valid UTF-8")]
+    return dict(value), []
+
+
+def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, list[HeaderProblem]]:
+    """Rules 5 and 7 for one tensor entry, plus the types rule 8 needs."""
+    shown = printable(name)
+    if _has_lone_surrogate(name):
+        return None, [_error("bad-tensor-entry", "tensor name holds a lone UTF-16 surrogate", shown)]
+    if not isinstance(entry, dict):
+        return None, [_error("bad-tensor-entry", f"entry is {type(entry).__name__}, not an object", shown)]
+    problems: list[HeaderProblem] = []
+    missing = [field for field in TENSOR_FIELDS if field not in entry]
+    if missing:
+        return None, [_error("bad-tensor-entry", f"entry lacks {', '.join(missing)}", shown)]
+    extra = sorted(key for key in entry if key not in TENSOR_FIELDS)
+    if extra:
+        # The reference reader ignores unknown fields; still worth knowing about.
+        problems.append(_warning("unknown-tensor-field", f"unknown fields {', '.join(map(repr, extra))}", shown))
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    valid = True
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        problems.append(_error("unknown-dtype", f"unknown dtype {dtype!r}"[:200], shown))
+        valid = False
+    if not isinstance(shape, list) or not all(_is_u64(dim) for dim in shape):
+        problems.append(_error("bad-shape", f"shape must be a list of integers 0..2**64-1, got {shape!r}"[:200], shown))
+        valid = False
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(item) for item in offsets):
+        problems.append(
+            _error("bad-offsets", f"data_offsets must be [begin, end], integers 0..2**64-1, got {offsets!r}"[:200], shown)
+        )
+        valid = False
+    if not valid:
+        return None, problems
+    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1]), problems
+
+
+def tensor_nbits(dtype: str, shape: Sequence[int]) -> int | None:
+    """prod(shape) * bits with the reference reader's 64-bit checked arithmetic; None on overflow."""
+    elements = 1
+    for dim in shape:
+        elements *= dim
+        if elements > U64_MAX:
+            return None
+    total = elements * DTYPE_BITS[dtype]
+    return total if total <= U64_MAX else None
+
+
+def _check_layout(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
+    """Rule 8: sizes match shapes, and data is contiguous from 0 with no gaps or overlaps."""
+    problems: list[HeaderProblem] = []
+    for tensor in tensors:
+        shown = printable(tensor.name)
+        if tensor.end < tensor.begin:
+            problems.append(_error("offsets-reversed", f"data_offsets end {tensor.end} < begin {tensor.begin}", shown))
+            continue
+        nbits = tensor_nbits(tensor.dtype, tensor.shape)
+        if nbits is None:
+            problems.append(_error("size-overflow", f"shape {list(tensor.shape)} overflows 64-bit arithmetic", shown))
+        elif nbits % 8:
+            problems.append(
+                _error("size-not-whole-bytes", f"{nbits} bits of {tensor.dtype} is not a whole number of bytes", shown)
+            )
+        elif nbits // 8 != tensor.nbytes:
+            problems.append(
+                _error(
+                    "size-mismatch",
+                    f"{tensor.dtype} {list(tensor.shape)} needs {nbits // 8:,} bytes but data_offsets span {tensor.nbytes:,}",
+                    shown,
+                )
+            )
+    # The reference reader sorts by (begin, end) and then requires each begin to equal the previous end.
+    expected_begin = 0
+    for tensor in sorted(tensors, key=lambda item: (item.begin, item.end)):
+        if tensor.end < tensor.begin:
+            continue  # already reported
+        shown = printable(tensor.name)
+        if tensor.begin > expected_begin:
+            problems.append(
+                _error("offsets-gap", f"data starts at {tensor.begin:,}; the previous tensor ends at {expected_begin:,}", shown)
+            )
+        elif tensor.begin < expected_begin:
+            problems.append(
+                _error("offsets-overlap", f"data starts at {tensor.begin:,}, inside the previous tensor (ends {expected_begin:,})", shown)
+            )
+        expected_begin = max(expected_begin, tensor.end)
+    return problems
+
+
+def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHeader:
+    """Rules 4-9 for the N header bytes (without the length field). Rule 9 needs `object_size`."""
+    header_length = len(header_json)
+    problems: list[HeaderProblem] = []
+    if header_length > HF_MAX_HEADER_BYTES:
+        problems.append(
+            _warning(
+                "header-over-hf-limit",
+                f"header is {header_length:,} bytes; huggingface_hub refuses headers over {HF_MAX_HEADER_BYTES:,}",
+            )
+        )
+    document = decode_json_strictly(header_json)
+    if document.error is not None:
+        return ParsedHeader(header_length, (), None, (*problems, document.error))
+    if not isinstance(document.value, dict):
+        problems.append(_error("header-not-object", f"header is a JSON {type(document.value).__name__}, not an object"))
+        return ParsedHeader(header_length, (), None, tuple(problems))
+    first = header_json[:1].decode("latin-1")
+    if first in _JSON_WHITESPACE:
+        problems.append(
+            _warning("header-leading-whitespace", "header starts with whitespace; the format says it starts with '{'")
+        )
+    for owner, key in document.duplicate_keys:
+        if owner is document.value and key != METADATA_KEY:
+            problems.append(_error("duplicate-tensor", "tensor appears twice in the header; readers keep the last", printable(key)))
+        else:
+            problems.append(_error("duplicate-key", f"key {printable(key)!r} appears twice in one JSON object"))
+
+    metadata: Mapping[str, str] | None = None
+    tensors: list[TensorInfo] = []
+    malformed = False
+    for name, entry in document.value.items():
+        if name == METADATA_KEY:
+            metadata, metadata_problems = _check_metadata(entry)
+            problems.extend(metadata_problems)
+            continue
+        tensor, entry_problems = _check_entry(name, entry)
+        problems.extend(entry_problems)
+        if tensor is None:
+            malformed = True
+        else:
+            tensors.append(tensor)
+
+    layout_problems = _check_layout(tensors)
+    problems.extend(layout_problems)
+    # Rule 9 is meaningful only when every entry could be read and the layout is sound.
+    if object_size is not None and not malformed and not layout_problems:
+        expected = HEADER_LENGTH_BYTES + header_length + max((tensor.end for tensor in tensors), default=0)
+        if expected > object_size:
+            problems.append(
+                _error("file-truncated", f"header and offsets need {expected:,} bytes; the object has {object_size:,}")
+            )
+        elif expected < object_size:
+            problems.append(
+                _error(
+                    "file-trailing-bytes",
+                    f"the object has {object_size - expected:,} bytes after the last tensor ({object_size:,} > {expected:,})",
+                )
+            )
+    return ParsedHeader(header_length, tuple(tensors), metadata, tuple(problems), complete=not malformed)
+
+
+def parse_safetensors_bytes(data: bytes) -> ParsedHeader:
+    """Rules 1-9 for a whole file held in memory (tests, small files)."""
+    if len(data) < HEADER_LENGTH_BYTES:
+        return ParsedHeader(0, (), None, (_file_too_small(len(data)),))
+    header_length = decode_header_length(data)
+    problem = check_header_length(header_length, len(data))
+    if problem is not None:
+        return ParsedHeader(header_length, (), None, (problem,))
+    return parse_header(data[HEADER_LENGTH_BYTES : HEADER_LENGTH_BYTES + header_length], len(data))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Reading a header through a Store
+
+
+def read_header(store: Store, key: str, size: int, speculative_bytes: int = DEFAULT_SPECULATIVE_BYTES) -> HeaderRead:
+    """Fetch the N header bytes of `key` (whose listed size is `size`) with one ranged read, or two.
+
+    The first read covers min(size, speculative_bytes) bytes; a second read fetches the rest of the
+    header only when 8 + N exceeds it, and only after N has passed rules 2 and 3. An object that is
+    gone or shorter than listed becomes a problem; other store errors (access, network) propagate.
+    """
+    if size < HEADER_LENGTH_BYTES:
+        return HeaderRead(None, _file_too_small(size), 0, 0)
+    first_length = min(size, max(HEADER_LENGTH_BYTES, speculative_bytes))
+    requests = 1
+    try:
+        head = store.read_range(key, 0, first_length)
+    except NotFoundError:
+        return HeaderRead(None, _error("object-vanished", "listed, but gone when its header was read"), requests, 0)
+    bytes_read = len(head)
+    if len(head) < HEADER_LENGTH_BYTES:
+        return HeaderRead(None, _changed(size, len(head)), requests, bytes_read)
+    header_length = decode_header_length(head)
+    problem = check_header_length(header_length, size)
+    if problem is not None:
+        return HeaderRead(None, problem, requests, bytes_read)
+    header_end = HEADER_LENGTH_BYTES + header_length
+    if header_end <= len(head):
+        return HeaderRead(head[HEADER_LENGTH_BYTES:header_end], None, requests, bytes_read)
+    if len(head) < first_length:
+        return HeaderRead(None, _changed(size, len(head)), requests, bytes_read)
+    requests += 1
+    try:
+        rest = store.read_range(key, len(head), header_end - len(head))
+    except NotFoundError:
+        return HeaderRead(None, _error("object-vanished", "listed, but gone when its header was read"), requests, bytes_read)
+    bytes_read += len(rest)
+    if len(head) + len(rest) < header_end:
+        return HeaderRead(None, _changed(size, len(head) + len(rest)), requests, bytes_read)
+    return HeaderRead(head[HEADER_LENGTH_BYTES:] + rest, None, requests, bytes_read)
+
+
+def _changed(listed_size: int, available: int) -> HeaderProblem:
+    return _error("object-changed", f"listed as {listed_size:,} bytes, but only {available:,} could be read")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+
+
+TensorLayout = tuple[str, str, Sequence[int], int]  # name, dtype, shape, nbytes
+TensorData = tuple[str, str, Sequence[int], bytes]  # name, dtype, shape, data
+
+
+def encode_safetensors_header(
+    tensors: Sequence[TensorLayout], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """The bytes before the data (8-byte length + JSON padded with spaces to a multiple of 8), and the
+    (begin, end) offsets of each tensor, laid out in the order given.
+
+    Raises UsageError for anything a reader would refuse, so a writer never produces an invalid file.
+    """
+    header: dict[str, Any] = {}
+    if metadata is not None:
+        if not all(isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()):
+            raise UsageError("safetensors metadata must map strings to strings")
+        header[METADATA_KEY] = dict(metadata)
+    offsets: list[tuple[int, int]] = []
+    position = 0
+    for name, dtype, shape, nbytes in tensors:
+        if name == METADATA_KEY or name in header:
+            raise UsageError(f"tensor name {name!r} is reserved or repeated")
+        if dtype not in DTYPE_BITS:
+            raise UsageError(f"unknown safetensors dtype {dtype!r} for {name!r}")
+        if not all(_is_u64(dim) for dim in shape):
+            raise UsageError(f"invalid shape {list(shape)!r} for {name!r}")
+        nbits = tensor_nbits(dtype, shape)
+        if nbits is None or nbits % 8 or nbits // 8 != nbytes:
+            raise UsageError(f"{name!r}: {dtype} {list(shape)} does not take {nbytes} bytes")
+        offsets.append((position, position + nbytes))
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + nbytes]}
+        position += nbytes
+    try:
+        encoded = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise UsageError(f"tensor or metadata name is not valid UTF-8: {error}") from None
+    # Pad with spaces so the data buffer starts 8-aligned, as the reference writer does.
+    padded_length = math.ceil(len(encoded) / HEADER_LENGTH_BYTES) * HEADER_LENGTH_BYTES
+    if padded_length > MAX_HEADER_BYTES:
+        raise UsageError(f"header of {padded_length:,} bytes exceeds the {MAX_HEADER_BYTES:,}-byte limit")
+    padded = encoded.ljust(padded_length, b" ")
+    return struct.pack("<Q", padded_length) + padded, offsets
+
+
+def safetensors_bytes(tensors: Sequence[TensorData], metadata: Mapping[str, str] | None = None) -> bytes:
+    """A whole safetensors file in memory, tensors laid out in the order given."""
+    prefix, _ = encode_safetensors_header(
+        [(name, dtype, shape, len(data)) for name, dtype, shape, data in tensors], metadata
+    )
+    return prefix + b"".join(data for _, _, _, data in tensors)
+
+
+def write_safetensors(
+    store: Store, key: str, tensors: Sequence[TensorData], metadata: Mapping[str, str] | None = None
+) -> ObjectInfo:
+    """Write a (small) safetensors file to `key` in one put."""
+    return store.put(key, safetensors_bytes(tensors, metadata))
+

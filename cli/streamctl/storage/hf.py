@@ -1,0 +1,377 @@
+"""The Hugging Face Hub as a read-only store: `hf://[models/|datasets/]ORG/NAME[@REV][/PATH]`.
+
+Keys are file paths inside the repo. The revision (branch, tag or commit) is resolved to a commit sha once, on
+first use, and every later call reads that commit, so a branch that moves during a transfer cannot mix files
+of two commits. Listings come from the tree API (with the sha256 the hub publishes for LFS files); bytes come
+from ranged GETs on the `resolve` URL through huggingface_hub's own HTTP session and headers, so the token,
+user agent, HF_ENDPOINT and CDN redirects behave as in the real client (the Authorization header is dropped
+when the hub redirects to another origin).
+
+This module is imported only when an hf:// URL is opened, so huggingface_hub loads only then.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NoReturn, TypeVar
+from urllib.parse import quote
+
+from huggingface_hub import HfApi, constants, hf_hub_url
+from huggingface_hub.errors import (
+    DisabledRepoError,
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+try:  # huggingface_hub 2.x speaks httpx2; 1.x spoke httpx (same API)
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
+    import httpx  # type: ignore[no-redef]
+
+from streamctl import __version__
+from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.url import ParsedURL
+
+REPO_TYPES = ("model", "dataset")
+DEFAULT_REVISION = "main"
+READ_ONLY = "the Hugging Face Hub is a read-only source"
+# Network failures worth another try: the request (or the rest of a streamed body) is simply sent again.
+_RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
+_RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+_API_TIMEOUT = 30.0  # seconds for the revision lookup; downloads use HF_HUB_DOWNLOAD_TIMEOUT per read
+_SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)$")
+
+T = TypeVar("T")
+
+
+def check_key(key: str) -> str:
+    """Refuse repo file names that could escape a destination folder (or that URL normalisation would rewrite)."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
+        raise UsageError(
+            f"unsafe file name {key!r} in a Hugging Face repo",
+            hint="repo file names must be relative paths without '..', '.', empty segments or backslashes",
+        )
+    return key
+
+
+def format_url(repo_type: str, repo_id: str, revision: str | None, key: str = "") -> str:
+    """The user-facing hf:// URL (same grammar as huggingface_hub's own hf:// URIs)."""
+    url = "hf://" + ("datasets/" if repo_type == "dataset" else "") + repo_id
+    if revision is not None:
+        url += "@" + (revision if _SPECIAL_REF.match(revision) else quote(revision, safe=""))
+    return f"{url}/{key}" if key else url
+
+
+def object_info(entry: RepoFile) -> ObjectInfo:
+    """A tree entry as an ObjectInfo: LFS files carry the sha256 the hub publishes, others their git blob sha1."""
+    if entry.lfs is not None:
+        sha256 = entry.lfs.sha256
+        return ObjectInfo(entry.path, entry.lfs.size, sha256, {"sha256": sha256})
+    return ObjectInfo(entry.path, entry.size, entry.blob_id, {"git-sha1": entry.blob_id})
+
+
+def redact(text: str, secret: str | None) -> str:
+    return text.replace(secret, "***") if secret else text
+
+
+def web_url(repo_type: str, repo_id: str) -> str:
+    """The repo's page (where a user accepts a gated model's terms); follows HF_ENDPOINT for mirrors."""
+    return f"{constants.ENDPOINT}/{'datasets/' if repo_type == 'dataset' else ''}{repo_id}"
+
+
+def content_range_start(header: str | None) -> int | None:
+    match = re.match(r"^bytes (\d+)-\d+/(?:\d+|\*)$", (header or "").strip())
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class HfStore:
+    repo_id: str
+    repo_type: str = "model"
+    revision: str | None = None  # as the user wrote it; None means the default branch
+    token: str | None = field(default=None, repr=False)  # None: huggingface_hub finds HF_TOKEN or the login
+    max_attempts: int = 5
+    retry_wait: float = 1.0  # first back-off between attempts, doubled each time (tests lower it)
+    scheme: str = "hf"
+    min_part_size: int = 1  # never written to; present for the Store protocol
+    max_parts: int = 1
+    _api: HfApi = field(init=False, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _commit: str | None = field(default=None, init=False)
+    # Listings by folder ('' = whole repo): folder -> {key: info} for every file under it.
+    _listings: dict[str, dict[str, ObjectInfo]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.repo_type not in REPO_TYPES:
+            raise UsageError(f"unsupported repo type {self.repo_type!r}", hint="use 'model' or 'dataset'")
+        self._api = HfApi(token=self.token, library_name="streamctl", library_version=__version__)
+
+    @property
+    def bucket(self) -> str:
+        return self.repo_id
+
+    def url(self, key: str) -> str:
+        return format_url(self.repo_type, self.repo_id, self.revision, key)
+
+    # -- revision ----------------------------------------------------------------------------------------------
+
+    @property
+    def commit(self) -> str:
+        """The commit sha the revision resolved to on first use; every read is pinned to it."""
+        if self._commit is None:
+            with self._lock:
+                if self._commit is None:
+                    revision = self.revision or DEFAULT_REVISION
+                    info = self._call(
+                        lambda: self._api.repo_info(
+                            self.repo_id,
+                            repo_type=self.repo_type,
+                            revision=revision,
+                            token=self.token,
+                            timeout=_API_TIMEOUT,
+                        ),
+                        self.url(""),
+                    )
+                    if not info.sha:
+                        raise RemoteError(f"the Hub returned no commit for {self.url('')}")
+                    self._commit = info.sha
+        return self._commit
+
+    # -- listing -----------------------------------------------------------------------------------------------
+
+    def _listing(self, folder: str) -> dict[str, ObjectInfo]:
+        """Every file under `folder`, from the cache when a listed folder covers it."""
+        with self._lock:
+            for listed, entries in self._listings.items():
+                if not listed or folder == listed or folder.startswith(listed + "/"):
+                    return {k: v for k, v in entries.items() if not folder or k.startswith(folder + "/")}
+        commit = self.commit
+
+        def fetch() -> dict[str, ObjectInfo]:
+            tree = self._api.list_repo_tree(
+                self.repo_id,
+                path_in_repo=folder or None,
+                recursive=True,
+                revision=commit,
+                repo_type=self.repo_type,
+                token=self.token,
+            )
+            return {entry.path: object_info(entry) for entry in tree if isinstance(entry, RepoFile)}
+
+        try:
+            entries = self._call(fetch, self.url(folder))
+        except NotFoundError:
+            if not folder:
+                raise
+            entries = {}  # no such folder: an empty listing, like a missing prefix in a bucket
+        for key in entries:
+            check_key(key)
+        with self._lock:
+            self._listings[folder] = entries
+        return entries
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        folder = prefix.rpartition("/")[0]
+        entries = self._listing(folder)
+        for key in sorted(entries):
+            if key.startswith(prefix):
+                yield entries[key]
+
+    def _cached(self, key: str) -> tuple[bool, ObjectInfo | None]:
+        """(covered, info): whether a cached listing covers `key`, and its entry there."""
+        with self._lock:
+            for listed, entries in self._listings.items():
+                if not listed or key.startswith(listed + "/"):
+                    return True, entries.get(key)
+        return False, None
+
+    def stat(self, key: str) -> ObjectInfo:
+        check_key(key)
+        covered, info = self._cached(key)
+        if not covered:
+            commit = self.commit
+            found = self._call(
+                lambda: self._api.get_paths_info(
+                    self.repo_id, [key], revision=commit, repo_type=self.repo_type, token=self.token
+                ),
+                self.url(key),
+            )
+            info = next((object_info(e) for e in found if isinstance(e, RepoFile) and e.path == key), None)
+        if info is None:
+            raise NotFoundError(f"{self.url(key)}: no such file at commit {self.commit[:12]}")
+        return info
+
+    # -- reading -----------------------------------------------------------------------------------------------
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        return b"".join(self.iter_range(key, start, length, chunk_size=max(1, min(length, 8 * MiB))))
+
+    def iter_range(self, key: str, start: int, length: int, chunk_size: int = MiB) -> Iterator[bytes]:
+        """Bytes [start, start+length) of `key` as one streamed GET, `chunk_size` at a time (fewer when the
+        file ends first). A connection lost mid-body is resumed from the last byte received, up to
+        `max_attempts` times, so callers can hash what they receive without seeing a duplicate byte."""
+        check_key(key)
+        if start < 0 or length < 0 or chunk_size <= 0:
+            raise UsageError(f"invalid range {start}+{length} (chunk size {chunk_size})")
+        _, info = self._cached(key)
+        if info is not None:  # the size is known: never ask for bytes past the end (a 416)
+            length = max(0, min(length, info.size - start))
+        end, position, failures = start + length, start, 0
+        while position < end:
+            try:
+                for chunk in self._stream(key, position, end - position, chunk_size):
+                    position += len(chunk)
+                    yield chunk
+                return  # the range is complete, or the file ended first
+            except _RETRYABLE as error:
+                failures += 1
+                if failures >= self.max_attempts:
+                    raise self._map(error, self.url(key)) from None
+                time.sleep(self.retry_wait * 2 ** (failures - 1))
+
+    def _stream(self, key: str, start: int, length: int, chunk_size: int) -> Iterator[bytes]:
+        """One ranged GET; status retries (5xx, 429) inside huggingface_hub's back-off, network errors raised."""
+        url = hf_hub_url(self.repo_id, key, repo_type=self.repo_type, revision=self.commit)
+        headers = build_hf_headers(token=self.token, library_name="streamctl", library_version=__version__)
+        headers["Range"] = f"bytes={start}-{start + length - 1}"
+        headers["Accept-Encoding"] = "identity"  # byte ranges of the stored bytes, never of a compressed body
+        try:
+            with http_stream_backoff(
+                "GET",
+                url,
+                headers=headers,
+                timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT,
+                max_retries=max(0, self.max_attempts - 1),
+                base_wait_time=self.retry_wait,
+                retry_on_exceptions=(),  # network errors: iter_range retries, resuming where it stopped
+                retry_on_status_codes=_RETRY_STATUS,
+            ) as response:
+                if response.status_code == 416:
+                    return  # start is at or past the end of the file
+                hf_raise_for_status(response)
+                skip = 0
+                if response.status_code == 200:
+                    skip = start  # the server ignored the Range header: drop what precedes `start`
+                elif content_range_start(response.headers.get("Content-Range")) != start:
+                    raise RemoteError(f"{self.url(key)}: the server answered a different byte range")
+                remaining = length
+                for chunk in response.iter_bytes(chunk_size):
+                    if skip:
+                        dropped = min(skip, len(chunk))
+                        chunk, skip = chunk[dropped:], skip - dropped
+                    chunk = chunk[:remaining]
+                    if chunk:
+                        remaining -= len(chunk)
+                        yield chunk
+                    if not remaining:
+                        return
+        except _RETRYABLE:
+            raise
+        except StreamctlError:
+            raise
+        except Exception as error:
+            raise self._map(error, self.url(key)) from None
+
+    # -- writing: refused --------------------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> NoReturn:
+        raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
+
+    def start_multipart(self, key: str, part_size: int, metadata: Mapping[str, str] | None = None) -> NoReturn:
+        raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
+
+    def delete(self, key: str) -> NoReturn:
+        raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
+
+    # -- errors ------------------------------------------------------------------------------------------------
+
+    def _call(self, function: Callable[[], T], what: str) -> T:
+        try:
+            return function()
+        except StreamctlError:
+            raise
+        except Exception as error:
+            raise self._map(error, what) from None
+
+    def _map(self, error: Exception, what: str) -> StreamctlError:
+        mapped = map_error(error, what, self.repo_type, self.repo_id, self.revision or DEFAULT_REVISION)
+        # The token must never reach a message, whatever a server or library echoed back.
+        return type(mapped)(redact(mapped.message, self.token), hint=redact(mapped.hint or "", self.token) or None)
+
+
+def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revision: str) -> StreamctlError:
+    """Every huggingface_hub / httpx exception -> the streamctl error tree (messages written here, not copied)."""
+    kind = "dataset" if repo_type == "dataset" else "model"
+    login_hint = "set HF_TOKEN to a valid token, run `hf auth login`, or pass --token"
+    if isinstance(error, GatedRepoError):  # before RepositoryNotFoundError: it is a subclass
+        return AccessDeniedError(
+            f"{what}: {kind} {repo_id} is gated and this token has no access to it",
+            hint=f"accept the {kind}'s terms at {web_url(repo_type, repo_id)} and pass --token or set HF_TOKEN",
+        )
+    if isinstance(error, RepositoryNotFoundError):
+        return NotFoundError(
+            f"{what}: {kind} repo {repo_id} not found (or private)",
+            hint="check the repo id (hf://datasets/ORG/NAME for a dataset), or pass --token for a private repo",
+        )
+    if isinstance(error, RevisionNotFoundError):
+        return NotFoundError(
+            f"{what}: revision {revision!r} not found in {repo_id}", hint="check the branch, tag or commit sha"
+        )
+    if isinstance(error, EntryNotFoundError):
+        return NotFoundError(f"{what}: no such file in {repo_id}")
+    if isinstance(error, DisabledRepoError):
+        return AccessDeniedError(f"{what}: {kind} {repo_id} is disabled on the Hub")
+    if isinstance(error, HFValidationError):
+        return UsageError(f"invalid repo id {repo_id!r}", hint="write it as ORG/NAME")
+    if isinstance(error, HfHubHTTPError):
+        status = error.response.status_code if error.response is not None else 0
+        if status == 401:
+            return AccessDeniedError(f"{what}: the Hub rejected the token (HTTP 401)", hint=login_hint)
+        if status == 403:
+            return AccessDeniedError(
+                f"{what}: this token may not read {repo_id} (HTTP 403)",
+                hint="use a token with read access to the repo (fine-grained tokens need it granted)",
+            )
+        if status == 404:
+            return NotFoundError(f"{what}: not found (HTTP 404)")
+        if status == 429:
+            return RemoteError(
+                f"{what}: rate limited by the Hub (HTTP 429)",
+                hint="retry later; authenticated requests (HF_TOKEN) get higher limits",
+            )
+        return RemoteError(f"{what}: the Hub answered HTTP {status}", hint="retry later")
+    if isinstance(error, OfflineModeIsEnabled):
+        return RemoteError(f"{what}: offline mode is enabled", hint="unset HF_HUB_OFFLINE")
+    if isinstance(error, httpx.TimeoutException):
+        return RemoteError(f"{what}: timed out talking to the Hub", hint="check the network, or retry")
+    if isinstance(error, httpx.HTTPError):  # connection refused or reset, protocol errors, too many redirects
+        return RemoteError(
+            f"{what}: network error ({type(error).__name__}: {error})", hint=f"check the network and HF_ENDPOINT"
+        )
+    return RemoteError(f"{what}: {type(error).__name__}: {error}")
+
+
+def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
+    """Options override the URL: --revision / --repo-type / --token beat @REV and datasets/."""
+    repo_type = options.hf_repo_type or getattr(parsed, "hf_repo_type", None) or "model"
+    revision = options.hf_revision or getattr(parsed, "revision", None)
+    return HfStore(
+        repo_id=parsed.bucket,
+        repo_type=repo_type,
+        revision=revision,
+        token=options.hf_token or None,
+        max_attempts=max(1, options.max_attempts),
+    )

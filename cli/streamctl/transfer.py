@@ -1,0 +1,580 @@
+"""Copy a model (Hugging Face repo, local folder or bucket prefix) into a bucket or folder.
+
+How it moves bytes: every file is split into parts; parts are read with ranged reads and uploaded as
+multipart parts by one pool of worker threads, so downloads overlap uploads and several files move at
+once. A byte budget (`max_buffer`) is taken before a part is read and given back after it is uploaded,
+so memory never grows with the model. Each file's sha256 is computed in flight, in part order, and
+the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
+of small files); otherwise it is aborted and the file retried once from scratch.
+
+Why it is resumable: nothing is visible under a final name until its upload completes, each object
+stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Literal
+
+from streamctl import __version__
+from streamctl.errors import (
+    IntegrityError,
+    NotFoundError,
+    RemoteError,
+    StreamctlError,
+    UsageError,
+)
+from streamctl.fileset import MANIFEST_NAME, Selection, is_safe_relative_path, select_files
+from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.retry import RetryPolicy, with_retries
+from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
+
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_MAX_BUFFER = 256 * MiB
+DEFAULT_CONCURRENCY = 16
+HASH_CHUNK = 8 * MiB
+SHA256_KEY = "sha256"
+GIT_SHA1_KEY = "git-sha1"
+HF_INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    path: str
+    size: int
+    sha256: str | None  # the source's, when known before copying
+    git_sha1: str | None  # small hub files carry only their git blob sha1
+    action: Literal["copy", "skip"]
+    reason: str
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    source: str
+    dest: str
+    commit: str | None
+    files: tuple[FilePlan, ...]
+    excluded: tuple[Selection, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(file.size for file in self.files)
+
+    @property
+    def copy_bytes(self) -> int:
+        return sum(file.size for file in self.files if file.action == "copy")
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "dest": self.dest,
+            "commit": self.commit,
+            "files": [
+                {"path": f.path, "size": f.size, "sha256": f.sha256, "action": f.action, "reason": f.reason}
+                for f in self.files
+            ],
+            "excluded": [{"path": s.path, "reason": s.reason} for s in self.excluded],
+            "total_bytes": self.total_bytes,
+            "copy_bytes": self.copy_bytes,
+        }
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    all_files: bool = False
+    concurrency: int = DEFAULT_CONCURRENCY
+    part_size: int = DEFAULT_PART_SIZE
+    max_buffer: int = DEFAULT_MAX_BUFFER
+    force: bool = False
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def validate(self) -> None:
+        if self.concurrency < 1:
+            raise UsageError("--concurrency must be at least 1")
+        if self.part_size < 1:
+            raise UsageError("--part-size must be positive")
+        if self.max_buffer < self.part_size:
+            raise UsageError(
+                f"--max-buffer ({self.max_buffer} bytes) is smaller than --part-size ({self.part_size} bytes)",
+                hint="raise --max-buffer or lower --part-size",
+            )
+
+
+@dataclass(frozen=True)
+class CopiedFile:
+    path: str
+    size: int
+    sha256: str
+    action: Literal["copied", "skipped"]
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    source: str
+    dest: str
+    commit: str | None
+    files: tuple[CopiedFile, ...]
+    bytes_copied: int
+    seconds: float
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.bytes_copied / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "source": self.source,
+            "dest": self.dest,
+            "commit": self.commit,
+            "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "action": f.action} for f in self.files],
+            "bytes_copied": self.bytes_copied,
+            "seconds": round(self.seconds, 3),
+            "throughput_mb_s": round(self.throughput_mb_s, 2),
+        }
+
+
+# --------------------------------------------------------------------------------------------- hashing
+
+
+@dataclass
+class Digests:
+    """sha256 and git blob sha1 of one file, fed in order."""
+
+    size: int
+    sha256: "hashlib._Hash" = field(default_factory=hashlib.sha256)
+    git_sha1: "hashlib._Hash" = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.git_sha1 = hashlib.sha1(b"blob %d\x00" % self.size)
+
+    def update(self, data: bytes) -> None:
+        self.sha256.update(data)
+        self.git_sha1.update(data)
+
+
+def _read_chunks(location: Location, path: str, size: int, policy: RetryPolicy) -> Iterator[bytes]:
+    key = location.key(path)
+    for start in range(0, size, HASH_CHUNK):
+        length = min(HASH_CHUNK, size - start)
+        data = with_retries(lambda: location.store.read_range(key, start, length), policy)
+        if len(data) != length:
+            raise IntegrityError(f"{location.store.url(key)} is shorter than its listed size {size}")
+        yield data
+
+
+def hash_object(location: Location, path: str, size: int, policy: RetryPolicy) -> str:
+    digests = Digests(size)
+    for chunk in _read_chunks(location, path, size, policy):
+        digests.update(chunk)
+    return digests.sha256.hexdigest()
+
+
+def _mismatch(digests: Digests, sha256: str | None, git_sha1: str | None) -> str | None:
+    """A description of the checksum mismatch, or None when the bytes are right."""
+    got = digests.sha256.hexdigest()
+    if sha256 is not None and got != sha256:
+        return f"sha256 {got} != expected {sha256}"
+    if sha256 is None and git_sha1 is not None and digests.git_sha1.hexdigest() != git_sha1:
+        return f"git blob sha1 {digests.git_sha1.hexdigest()} != expected {git_sha1}"
+    return None
+
+
+# --------------------------------------------------------------------------------------------- planning
+
+
+def _list_dest(dest: Location) -> dict[str, ObjectInfo]:
+    try:
+        return {dest.relative(info.key): info for info in dest.list()}
+    except NotFoundError:
+        if dest.store.scheme == "file":
+            return {}  # a local folder is created on the first write
+        raise
+
+
+def _read_json(location: Location, path: str, size: int) -> object:
+    raw = location.store.read_range(location.key(path), 0, size)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _check_manifest(dest: Location, listing: Mapping[str, ObjectInfo], source: str, commit: str | None) -> None:
+    info = listing.get(MANIFEST_NAME)
+    if info is None:
+        return
+    manifest = _read_json(dest, MANIFEST_NAME, info.size)
+    if not isinstance(manifest, dict):
+        return
+    if manifest.get("source") != source or manifest.get("commit") != commit:
+        held = f"{manifest.get('source')}@{manifest.get('commit') or '-'}"
+        raise UsageError(
+            f"{dest.url} already holds {held}, not {source}@{commit or '-'}",
+            hint="choose another destination prefix, or pass --force to overwrite it",
+        )
+
+
+def _stored_sha256(dest: Location, path: str, info: ObjectInfo, policy: RetryPolicy) -> str | None:
+    stored = info.metadata.get(SHA256_KEY)
+    if stored is None and dest.store.scheme == "file":
+        return hash_object(dest, path, info.size, policy)  # local disk without xattrs: hashing is cheap
+    return stored
+
+
+def _decide(
+    file: FilePlan, existing: ObjectInfo | None, source: Location, dest: Location, options: TransferOptions
+) -> FilePlan:
+    def plan(action: Literal["copy", "skip"], reason: str, sha256: str | None = file.sha256) -> FilePlan:
+        return FilePlan(file.path, file.size, sha256, file.git_sha1, action, reason)
+
+    if options.force:
+        return plan("copy", "--force")
+    if existing is None:
+        return plan("copy", "new")
+    if existing.size != file.size:
+        return plan("copy", "size differs")
+    if file.sha256 is None and file.git_sha1 is not None and existing.metadata.get(GIT_SHA1_KEY) == file.git_sha1:
+        return plan("skip", "unchanged (git sha1 matches)", existing.metadata.get(SHA256_KEY))
+    stored = _stored_sha256(dest, file.path, existing, options.retry)
+    if stored is None:
+        return plan("copy", "no stored checksum")
+    sha256 = file.sha256 or hash_object(source, file.path, file.size, options.retry)
+    if stored == sha256:
+        return plan("skip", "unchanged", sha256)
+    return plan("copy", "checksum differs", sha256)
+
+
+def plan_transfer(
+    source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
+) -> TransferPlan:
+    """List both sides, choose the file set and decide copy or skip for each file. Writes nothing."""
+    options.validate()
+    listing = {source.relative(info.key): info for info in source.list()}
+    if not listing:
+        raise NotFoundError(f"no files under {source.url}")
+    unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
+    if unsafe:
+        raise UsageError(f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths")
+    commit: str | None = getattr(source.store, "commit", None)
+
+    config = _read_json(source, "config.json", listing["config.json"].size) if "config.json" in listing else None
+    has_auto_map = isinstance(config, dict) and bool(config.get("auto_map"))
+    indexed_shards: frozenset[str] | None = None
+    if HF_INDEX_NAME in listing:
+        index = _read_json(source, HF_INDEX_NAME, listing[HF_INDEX_NAME].size)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if isinstance(weight_map, dict):
+            indexed_shards = frozenset(str(name) for name in weight_map.values())
+    selections = select_files(
+        listing,
+        has_auto_map=has_auto_map,
+        indexed_shards=indexed_shards,
+        include=options.include,
+        exclude=options.exclude,
+        all_files=options.all_files,
+    )
+    existing = _list_dest(dest)
+    if not options.force:
+        _check_manifest(dest, existing, source_id, commit)
+    files = []
+    for selection in selections:
+        if not selection.selected:
+            continue
+        info = listing[selection.path]
+        candidate = FilePlan(
+            selection.path, info.size, info.metadata.get(SHA256_KEY), info.metadata.get(GIT_SHA1_KEY), "copy", ""
+        )
+        files.append(_decide(candidate, existing.get(selection.path), source, dest, options))
+    if not files:
+        raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
+    excluded = tuple(selection for selection in selections if not selection.selected)
+    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded)
+
+
+# --------------------------------------------------------------------------------------------- copying
+
+
+class _Cancelled(Exception):
+    """Raised inside workers once the run is being torn down."""
+
+
+class _ChecksumMismatch(Exception):
+    pass
+
+
+class ByteBudget:
+    """A counting semaphore in bytes: bounds the data held in memory by parts in flight."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._free = capacity
+        self._condition = threading.Condition()
+
+    def acquire(self, amount: int, cancelled: threading.Event) -> int:
+        amount = min(amount, self._capacity)  # an oversized part waits for the whole budget
+        with self._condition:
+            while self._free < amount:
+                if cancelled.is_set():
+                    raise _Cancelled()
+                self._condition.wait(0.2)
+            self._free -= amount
+        return amount
+
+    def release(self, amount: int) -> None:
+        with self._condition:
+            self._free += amount
+            self._condition.notify_all()
+
+
+@dataclass
+class _HashChain:
+    """Feeds parts to a file's digests strictly in order, whatever order they arrive in."""
+
+    digests: Digests
+    next_index: int = 0
+    failed: bool = False
+    condition: threading.Condition = field(default_factory=threading.Condition)
+
+    def feed(self, index: int, data: bytes, cancelled: threading.Event) -> None:
+        with self.condition:
+            while self.next_index != index:
+                if self.failed or cancelled.is_set():
+                    raise _Cancelled()
+                self.condition.wait(0.2)
+            self.digests.update(data)
+            self.next_index += 1
+            self.condition.notify_all()
+
+    def fail(self) -> None:
+        with self.condition:
+            self.failed = True
+            self.condition.notify_all()
+
+
+def part_size_for(size: int, requested: int, min_part_size: int, max_parts: int) -> int:
+    """The requested part size, grown when the store's part-count limit requires it."""
+    part = max(requested, min_part_size, math.ceil(size / max_parts) if size else 1)
+    return part
+
+
+@dataclass
+class _Engine:
+    source: Location
+    dest: Location
+    options: TransferOptions
+    progress: Progress
+    overall_task: int
+    budget: ByteBudget
+    parts: ThreadPoolExecutor
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    open_uploads: dict[int, MultipartUpload] = field(default_factory=dict)  # by id(): uploads need not be hashable
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    bytes_sent: int = 0
+
+    def _retry(self, operation: Callable[[], object], what: str) -> object:
+        def note(attempt: int, error: RemoteError) -> None:
+            self.progress.log(f"retrying {what} (attempt {attempt + 1}): {error.message}")
+
+        return with_retries(operation, self.options.retry, note, self.cancelled)
+
+    def _read(self, path: str, start: int, length: int) -> bytes:
+        key = self.source.key(path)
+        data = self._retry(lambda: self.source.store.read_range(key, start, length), f"read of {path}")
+        assert isinstance(data, bytes)
+        if len(data) != length:
+            raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
+        return data
+
+    def _sent(self, task: int, amount: int) -> None:
+        with self.lock:
+            self.bytes_sent += amount
+        self.progress.advance(task, amount)
+        self.progress.advance(self.overall_task, amount)
+
+    def copy(self, file: FilePlan) -> CopiedFile:
+        """Copy one file; a checksum mismatch is retried once from scratch, then fails with exit 5."""
+        for attempt in (1, 2):
+            task = self.progress.task(file.path, file.size)
+            try:
+                sha256 = self._copy_once(file, task)
+                return CopiedFile(file.path, file.size, sha256, "copied")
+            except _ChecksumMismatch as mismatch:
+                if attempt == 2:
+                    raise IntegrityError(
+                        f"{file.path}: checksum mismatch twice ({mismatch}); nothing was committed",
+                        hint="the source served different bytes than it advertises; retry later or report it",
+                    ) from None
+                self.progress.log(f"{file.path}: checksum mismatch ({mismatch}); retrying once from scratch")
+            finally:
+                self.progress.done(task)
+        raise AssertionError("unreachable")
+
+    def _copy_once(self, file: FilePlan, task: int) -> str:
+        store = self.dest.store
+        part_size = part_size_for(file.size, self.options.part_size, store.min_part_size, store.max_parts)
+        if file.size <= part_size:
+            return self._copy_small(file, task)
+        sha256 = file.sha256
+        if sha256 is None:
+            # Multipart metadata is fixed when the upload starts, so the digest must be known first.
+            sha256 = hash_object(self.source, file.path, file.size, self.options.retry)
+        metadata = {SHA256_KEY: sha256, **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {})}
+        key = self.dest.key(file.path)
+        upload = self._retry(lambda: store.start_multipart(key, part_size, metadata), f"upload of {file.path}")
+        assert not isinstance(upload, (bytes, type(None)))
+        with self.lock:
+            self.open_uploads[id(upload)] = upload  # type: ignore[assignment]
+        chain = _HashChain(Digests(file.size))
+        futures: list[Future[None]] = []
+        try:
+            for index, start in enumerate(range(0, file.size, part_size)):
+                length = min(part_size, file.size - start)
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+                held = self.budget.acquire(length, self.cancelled)
+                futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task))  # type: ignore[arg-type]
+            for future in futures:
+                future.result()
+            problem = _mismatch(chain.digests, sha256, file.git_sha1)
+            if problem:
+                raise _ChecksumMismatch(problem)
+            self._retry(upload.complete, f"completion of {file.path}")  # type: ignore[union-attr]
+            return sha256
+        except BaseException:
+            chain.fail()
+            for future in futures:
+                future.exception()  # wait: every part gives its budget back before we abort
+            self._abort(upload)  # type: ignore[arg-type]
+            raise
+        finally:
+            with self.lock:
+                self.open_uploads.pop(id(upload), None)
+
+    def _part(
+        self,
+        file: FilePlan,
+        upload: MultipartUpload,
+        chain: _HashChain,
+        index: int,
+        start: int,
+        length: int,
+        held: int,
+        task: int,
+    ) -> None:
+        try:
+            if self.cancelled.is_set() or chain.failed:
+                raise _Cancelled()
+            data = self._read(file.path, start, length)
+            chain.feed(index, data, self.cancelled)
+            self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
+            self._sent(task, length)
+        finally:
+            self.budget.release(held)
+
+    def _copy_small(self, file: FilePlan, task: int) -> str:
+        held = self.budget.acquire(max(file.size, 1), self.cancelled)
+        try:
+            data = self._read(file.path, 0, file.size)
+            digests = Digests(file.size)
+            digests.update(data)
+            problem = _mismatch(digests, file.sha256, file.git_sha1)
+            if problem:
+                raise _ChecksumMismatch(problem)
+            sha256 = digests.sha256.hexdigest()
+            metadata = {SHA256_KEY: sha256, GIT_SHA1_KEY: digests.git_sha1.hexdigest()}
+            key = self.dest.key(file.path)
+            self._retry(lambda: self.dest.store.put(key, data, metadata), f"upload of {file.path}")
+            self._sent(task, file.size)
+            return sha256
+        finally:
+            self.budget.release(held)
+
+    def _abort(self, upload: MultipartUpload) -> None:
+        try:
+            upload.abort()
+        except StreamctlError as error:
+            self.progress.log(f"could not abort the upload of {upload.key}: {error.message}")
+
+    def abort_all(self) -> None:
+        with self.lock:
+            uploads = list(self.open_uploads.values())
+        for upload in uploads:
+            self._abort(upload)
+
+
+def write_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
+    manifest = {
+        "tool": "streamctl",
+        "version": __version__,
+        "source": plan.source,
+        "commit": plan.commit,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
+    }
+    body = json.dumps(manifest, indent=2).encode() + b"\n"
+    dest.store.put(dest.key(MANIFEST_NAME), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
+
+
+def execute_transfer(
+    plan: TransferPlan,
+    source: Location,
+    dest: Location,
+    options: TransferOptions = TransferOptions(),
+    progress: Progress = NULL_PROGRESS,
+) -> TransferResult:
+    """Copy every planned file, then write the manifest. Ctrl-C aborts open uploads before re-raising."""
+    options.validate()
+    started = time.monotonic()
+    to_copy = [file for file in plan.files if file.action == "copy"]
+    overall = progress.task("total", plan.copy_bytes)
+    parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
+    files_pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-file")
+    engine = _Engine(source, dest, options, progress, overall, ByteBudget(options.max_buffer), parts)
+    copied: dict[str, CopiedFile] = {}
+    try:
+        # Largest first: the long poles start early and small files fill the gaps.
+        ordered = sorted(to_copy, key=lambda file: -file.size)
+        futures = {files_pool.submit(engine.copy, file): file for file in ordered}
+        for future in futures:
+            result = future.result()
+            copied[result.path] = result
+    except BaseException:
+        engine.cancelled.set()
+        files_pool.shutdown(wait=True, cancel_futures=True)
+        engine.abort_all()
+        raise
+    finally:
+        files_pool.shutdown(wait=True)
+        parts.shutdown(wait=True)
+        progress.done(overall)
+    results = tuple(
+        copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
+    )
+    write_manifest(dest, plan, results)
+    return TransferResult(
+        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started
+    )
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
+
+
+def resolve_source_url(text: str, repo_type: str | None = None) -> str:
+    """`org/name` means a Hugging Face repo unless a local folder of that name exists."""
+    if "://" in text or text.startswith(("/", ".", "~")) or os.path.exists(text):
+        return text
+    if _REPO_ID.match(text):
+        return f"hf://{'datasets/' if repo_type == 'dataset' else ''}{text}"
+    return text
