@@ -3,11 +3,17 @@ _streamctl() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" cmd="" i opts
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${COMP_WORDS[i]}" in
-            verify-index) cmd="${COMP_WORDS[i]}"; break ;;
+            transfer|verify-index) cmd="${COMP_WORDS[i]}"; break ;;
         esac
     done
     case "$cmd" in
-        "") opts="--debug --quiet -q --version --help -h verify-index" ;;
+        "") opts="--debug --quiet -q --version --help -h transfer verify-index" ;;
+        transfer)
+            case "$prev" in
+                --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;
+                --revision|--include|--exclude|--concurrency|-j|--part-size|--max-buffer|--token|--namespace|--service-account|--secret|--image|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            esac
+            opts="--revision --repo-type --include --exclude --all-files --concurrency -j --part-size --max-buffer --token --dry-run --force --verify --no-verify --k8s-job --namespace --service-account --secret --image --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         verify-index)
             case "$prev" in
                 --index|--expect|--tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--concurrency|-j|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;

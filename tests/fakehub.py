@@ -20,9 +20,11 @@ Fault knobs: `fail()` (503 / connection reset / truncated body for the next N ma
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -293,9 +295,15 @@ class _Server(ThreadingHTTPServer):
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
+    def handle_error(self, request: object, client_address: object) -> None:
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return  # a client dropping a kept-alive connection (or a stream it stopped reading) is normal
+        super().handle_error(request, client_address)  # type: ignore[arg-type]
+
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, like the real hub; every response carries Content-Length
+    disable_nagle_algorithm = True  # headers and body go in separate writes: avoid 40 ms delayed-ACK stalls
     server: _Server
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - keep test output quiet
@@ -318,9 +326,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             self.rfile.close()
             self.wfile.close()
-            self.connection.close()
+            self.connection.close()  # the last reference: the kernel sends RST (SO_LINGER 0)
         except OSError:
             pass
+        # http.server still flushes and closes these after the handler returns.
+        self.rfile, self.wfile = io.BytesIO(), io.BytesIO()
 
 
 class FakeHub:
@@ -336,6 +346,7 @@ class FakeHub:
         self.tokens: set[str] = set()  # every token the hub accepts
         self.page_size = DEFAULT_PAGE_SIZE
         self.redirect_lfs = True  # LFS downloads: 302 to the CDN origin (as the real hub does)
+        self.honor_range = True  # False: answer every ranged GET with 200 and the whole file
         self._hub = _Server(self, "hub")
         self._cdn = _Server(self, "cdn")
         self._threads: list[threading.Thread] = []
@@ -355,7 +366,9 @@ class FakeHub:
         with self._lock:
             if not self._threads:
                 for server in (self._hub, self._cdn):
-                    thread = threading.Thread(target=server.serve_forever, name=f"fakehub-{server.role}", daemon=True)
+                    thread = threading.Thread(
+                        target=server.serve_forever, args=(0.05,), name=f"fakehub-{server.role}", daemon=True
+                    )
                     thread.start()
                     self._threads.append(thread)
         return self
@@ -378,6 +391,7 @@ class FakeHub:
             self.tokens.clear()
             self.page_size = DEFAULT_PAGE_SIZE
             self.redirect_lfs = True
+            self.honor_range = True
 
     # -- building repos ----------------------------------------------------------------------------------------
 
@@ -522,7 +536,9 @@ class FakeHub:
             return None, _error(401, None, "Invalid credentials in Authorization header")
         return token, None
 
-    def _access(self, handler: _Handler, repo_type: str, repo_id: str, files: bool) -> tuple[FakeRepo | None, Response | None]:
+    def _access(
+        self, handler: _Handler, repo_type: str, repo_id: str, files: bool
+    ) -> tuple[FakeRepo | None, Response | None]:
         """Authorization, existence, privacy, and (for file downloads only) gating, in the hub's order."""
         token, denied = self._auth(handler)
         if denied is not None:
@@ -671,18 +687,20 @@ class FakeHub:
                 ("X-Linked-Size", str(entry.size)),
             ]
             if redirect:
-                # A signed, expiring URL on another origin, like cdn-lfs.hf.co: the client must not send its token there.
+                # A signed, expiring URL on another origin, like cdn-lfs.hf.co: no token may be sent there.
                 expires = int(time.time()) + 3600
-                location = (
-                    f"{self.cdn_endpoint}/blobs/{entry.sha256}/{quote(filename)}?"
-                    f"{urlencode({'Expires': expires, 'Signature': hashlib.sha1(entry.sha256.encode()).hexdigest()})}"
-                )
+                signature = hashlib.sha1(f"{entry.sha256}{expires}".encode()).hexdigest()
+                query = urlencode({"Expires": expires, "Signature": signature})
+                location = f"{self.cdn_endpoint}/blobs/{entry.sha256}/{quote(filename)}?{query}"
                 body = f"Found. Redirecting to {location}".encode()
                 return Response(302, [*headers, ("Location", location), ("Content-Type", "text/plain")], body)
         else:
             headers.append(("ETag", f'"{entry.oid}"'))
         data = _corrupted(entry.data) if corrupt else entry.data
-        return serve_bytes(data, handler.headers.get("Range"), headers)
+        return serve_bytes(data, self._range(handler), headers)
+
+    def _range(self, handler: _Handler) -> str | None:
+        return handler.headers.get("Range") if self.honor_range else None
 
     def _route_cdn(self, handler: _Handler) -> Response:
         segments = handler.path.partition("?")[0].split("/")[1:]
@@ -693,7 +711,7 @@ class FakeHub:
                 corrupt = sha256 in self._corrupt
             if data is not None:
                 data = _corrupted(data) if corrupt else data
-                return serve_bytes(data, handler.headers.get("Range"), [("ETag", f'"{sha256}"')])
+                return serve_bytes(data, self._range(handler), [("ETag", f'"{sha256}"')])
         return Response(404, [("Content-Type", "text/plain")], b"NoSuchKey")
 
 

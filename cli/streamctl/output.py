@@ -45,12 +45,18 @@ def configure(*, debug: bool | None = None, quiet: bool | None = None, json_outp
     settings.json = settings.json or bool(json_output)
 
 
+# Piped output is read by people in logs and by grep: don't fold it to 80 columns.
+_PIPE_WIDTH = 200
+# Human reports show this many findings of one kind per file, then a count of the rest.
+FINDINGS_SHOWN_PER_GROUP = 5
+
+
 def stdout() -> Console:
-    return Console(soft_wrap=True)
+    return Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH)
 
 
 def stderr() -> Console:
-    return Console(stderr=True, soft_wrap=True)
+    return Console(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
 
 
 def chatty() -> bool:
@@ -157,7 +163,12 @@ def render_verify_report(report: VerifyReport) -> None:
         table = Table(show_lines=False, header_style="bold")
         for column in ("severity", "code", "file", "tensor", "message"):
             table.add_column(column, overflow="fold")
+        shown: dict[tuple[str, str, str | None], int] = {}
         for finding in report.findings:
+            group = (finding.severity, finding.code, finding.file)
+            shown[group] = shown.get(group, 0) + 1
+            if shown[group] > FINDINGS_SHOWN_PER_GROUP:
+                continue
             style = "red" if finding.severity == "error" else "yellow"
             table.add_row(
                 f"[{style}]{finding.severity}[/]",
@@ -166,6 +177,10 @@ def render_verify_report(report: VerifyReport) -> None:
                 finding.tensor or "",
                 finding.message,
             )
+        for (severity, code, file), count in shown.items():
+            if count > FINDINGS_SHOWN_PER_GROUP:
+                hidden = count - FINDINGS_SHOWN_PER_GROUP
+                table.add_row(f"[dim]{severity}[/]", code, file or "", "", f"[dim]... and {hidden} more (see --json)[/]")
         console.print(table)
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"

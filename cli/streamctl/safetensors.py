@@ -287,37 +287,50 @@ def _check_metadata(value: Any) -> tuple[Mapping[str, str] | None, list[HeaderPr
     return dict(value), []
 
 
-def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, list[HeaderProblem]]:
-    """Rules 5 and 7 for one tensor entry, plus the types rule 8 needs."""
+@dataclass(frozen=True)
+class _Span:
+    name: str
+    begin: int
+    end: int
+
+
+def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, _Span | None, list[HeaderProblem]]:
+    """Rules 5 and 7 for one tensor entry, plus the types rule 8 needs.
+
+    The span (offsets) is returned whenever the offsets are well-typed, even if dtype or shape is not,
+    so contiguity can still be checked over every entry.
+    """
     shown = printable(name)
     if _has_lone_surrogate(name):
-        return None, [_error("bad-tensor-entry", "tensor name holds a lone UTF-16 surrogate", shown)]
+        return None, None, [_error("bad-tensor-entry", "tensor name holds a lone UTF-16 surrogate", shown)]
     if not isinstance(entry, dict):
-        return None, [_error("bad-tensor-entry", f"entry is {type(entry).__name__}, not an object", shown)]
-    problems: list[HeaderProblem] = []
+        return None, None, [_error("bad-tensor-entry", f"entry is {type(entry).__name__}, not an object", shown)]
     missing = [field for field in TENSOR_FIELDS if field not in entry]
     if missing:
-        return None, [_error("bad-tensor-entry", f"entry lacks {', '.join(missing)}", shown)]
+        return None, None, [_error("bad-tensor-entry", f"entry lacks {', '.join(missing)}", shown)]
+    problems: list[HeaderProblem] = []
     extra = sorted(key for key in entry if key not in TENSOR_FIELDS)
     if extra:
         # The reference reader ignores unknown fields; still worth knowing about.
-        problems.append(_warning("unknown-tensor-field", f"unknown fields {', '.join(map(repr, extra))}", shown))
+        problems.append(_warning("unknown-tensor-field", f"unknown fields {', '.join(map(repr, extra))}"[:200], shown))
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    valid = True
+    span: _Span | None = None
+    if isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(item) for item in offsets):
+        span = _Span(name, offsets[0], offsets[1])
+    else:
+        problems.append(
+            _error("bad-offsets", f"data_offsets must be [begin, end], integers 0..2**64-1, got {offsets!r}"[:200], shown)
+        )
+    valid = span is not None
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         problems.append(_error("unknown-dtype", f"unknown dtype {dtype!r}"[:200], shown))
         valid = False
     if not isinstance(shape, list) or not all(_is_u64(dim) for dim in shape):
         problems.append(_error("bad-shape", f"shape must be a list of integers 0..2**64-1, got {shape!r}"[:200], shown))
         valid = False
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(item) for item in offsets):
-        problems.append(
-            _error("bad-offsets", f"data_offsets must be [begin, end], integers 0..2**64-1, got {offsets!r}"[:200], shown)
-        )
-        valid = False
-    if not valid:
-        return None, problems
-    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1]), problems
+    if not valid or span is None:
+        return None, span, problems
+    return TensorInfo(name, dtype, tuple(shape), span.begin, span.end), span, problems
 
 
 def tensor_nbits(dtype: str, shape: Sequence[int]) -> int | None:
@@ -331,17 +344,16 @@ def tensor_nbits(dtype: str, shape: Sequence[int]) -> int | None:
     return total if total <= U64_MAX else None
 
 
-def _check_layout(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
-    """Rule 8: sizes match shapes, and data is contiguous from 0 with no gaps or overlaps."""
+def _check_sizes(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
+    """Rule 8: prod(shape) * bits / 8 == end - begin, with checked arithmetic."""
     problems: list[HeaderProblem] = []
     for tensor in tensors:
-        shown = printable(tensor.name)
         if tensor.end < tensor.begin:
-            problems.append(_error("offsets-reversed", f"data_offsets end {tensor.end} < begin {tensor.begin}", shown))
-            continue
+            continue  # reported by the contiguity check
+        shown = printable(tensor.name)
         nbits = tensor_nbits(tensor.dtype, tensor.shape)
         if nbits is None:
-            problems.append(_error("size-overflow", f"shape {list(tensor.shape)} overflows 64-bit arithmetic", shown))
+            problems.append(_error("size-overflow", f"shape {list(tensor.shape)} overflows 64-bit arithmetic"[:200], shown))
         elif nbits % 8:
             problems.append(
                 _error("size-not-whole-bytes", f"{nbits} bits of {tensor.dtype} is not a whole number of bytes", shown)
@@ -350,25 +362,31 @@ def _check_layout(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
             problems.append(
                 _error(
                     "size-mismatch",
-                    f"{tensor.dtype} {list(tensor.shape)} needs {nbits // 8:,} bytes but data_offsets span {tensor.nbytes:,}",
+                    f"{tensor.dtype} {list(tensor.shape)} needs {nbits // 8:,} bytes but data_offsets span {tensor.nbytes:,}"[:300],
                     shown,
                 )
             )
-    # The reference reader sorts by (begin, end) and then requires each begin to equal the previous end.
+    return problems
+
+
+def _check_contiguity(spans: Sequence[_Span]) -> list[HeaderProblem]:
+    """Rule 8: end >= begin, and sorted by (begin, end) each tensor starts where the previous ended, from 0."""
+    problems: list[HeaderProblem] = []
     expected_begin = 0
-    for tensor in sorted(tensors, key=lambda item: (item.begin, item.end)):
-        if tensor.end < tensor.begin:
-            continue  # already reported
-        shown = printable(tensor.name)
-        if tensor.begin > expected_begin:
+    for span in sorted(spans, key=lambda item: (item.begin, item.end)):
+        shown = printable(span.name)
+        if span.end < span.begin:
+            problems.append(_error("offsets-reversed", f"data_offsets end {span.end} < begin {span.begin}", shown))
+            continue
+        if span.begin > expected_begin:
             problems.append(
-                _error("offsets-gap", f"data starts at {tensor.begin:,}; the previous tensor ends at {expected_begin:,}", shown)
+                _error("offsets-gap", f"data starts at {span.begin:,}; the previous tensor ends at {expected_begin:,}", shown)
             )
-        elif tensor.begin < expected_begin:
+        elif span.begin < expected_begin:
             problems.append(
-                _error("offsets-overlap", f"data starts at {tensor.begin:,}, inside the previous tensor (ends {expected_begin:,})", shown)
+                _error("offsets-overlap", f"data starts at {span.begin:,}, inside the previous tensor (ends {expected_begin:,})", shown)
             )
-        expected_begin = max(expected_begin, tensor.end)
+        expected_begin = max(expected_begin, span.end)
     return problems
 
 
@@ -389,8 +407,7 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
     if not isinstance(document.value, dict):
         problems.append(_error("header-not-object", f"header is a JSON {type(document.value).__name__}, not an object"))
         return ParsedHeader(header_length, (), None, tuple(problems))
-    first = header_json[:1].decode("latin-1")
-    if first in _JSON_WHITESPACE:
+    if header_json[:1].decode("latin-1") in _JSON_WHITESPACE:
         problems.append(
             _warning("header-leading-whitespace", "header starts with whitespace; the format says it starts with '{'")
         )
@@ -402,24 +419,28 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
 
     metadata: Mapping[str, str] | None = None
     tensors: list[TensorInfo] = []
-    malformed = False
+    spans: list[_Span] = []
+    entries = 0
     for name, entry in document.value.items():
         if name == METADATA_KEY:
             metadata, metadata_problems = _check_metadata(entry)
             problems.extend(metadata_problems)
             continue
-        tensor, entry_problems = _check_entry(name, entry)
+        entries += 1
+        tensor, span, entry_problems = _check_entry(name, entry)
         problems.extend(entry_problems)
-        if tensor is None:
-            malformed = True
-        else:
+        if tensor is not None:
             tensors.append(tensor)
+        if span is not None:
+            spans.append(span)
 
-    layout_problems = _check_layout(tensors)
-    problems.extend(layout_problems)
-    # Rule 9 is meaningful only when every entry could be read and the layout is sound.
-    if object_size is not None and not malformed and not layout_problems:
-        expected = HEADER_LENGTH_BYTES + header_length + max((tensor.end for tensor in tensors), default=0)
+    problems.extend(_check_sizes(tensors))
+    # Without every entry's offsets, a "gap" would only be the unreadable entry: skip rules 8-9 layout.
+    all_spans = len(spans) == entries
+    contiguity = _check_contiguity(spans) if all_spans else []
+    problems.extend(contiguity)
+    if object_size is not None and all_spans and not contiguity:
+        expected = HEADER_LENGTH_BYTES + header_length + max((span.end for span in spans), default=0)
         if expected > object_size:
             problems.append(
                 _error("file-truncated", f"header and offsets need {expected:,} bytes; the object has {object_size:,}")
@@ -431,7 +452,8 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
                     f"the object has {object_size - expected:,} bytes after the last tensor ({object_size:,} > {expected:,})",
                 )
             )
-    return ParsedHeader(header_length, tuple(tensors), metadata, tuple(problems), complete=not malformed)
+    complete = len(tensors) == entries
+    return ParsedHeader(header_length, tuple(tensors), metadata, tuple(problems), complete=complete)
 
 
 def parse_safetensors_bytes(data: bytes) -> ParsedHeader:

@@ -17,6 +17,7 @@ BACKENDS: dict[str, str] = {
     "s3": "streamctl.storage.s3:open_store",
     "gs": "streamctl.storage.gcs:open_store",
     "az": "streamctl.storage.azure:open_store",
+    "hf": "streamctl.storage.hf:open_store",
 }
 
 

@@ -55,7 +55,11 @@ class Store(Protocol):
         ...
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        """Every object whose key starts with `prefix` (a plain string prefix), recursively, in key order."""
+        """Every object whose key starts with `prefix` (a plain string prefix), recursively, in key order.
+
+        `metadata` is filled where the listing carries it (local, GCS, Azure); S3 listings carry none, so
+        call `stat()` when user metadata matters.
+        """
         ...
 
     def stat(self, key: str) -> ObjectInfo: ...

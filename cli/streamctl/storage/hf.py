@@ -12,6 +12,7 @@ This module is imported only when an hf:// URL is opened, so huggingface_hub loa
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -52,6 +53,8 @@ _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolEr
 _RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 _API_TIMEOUT = 30.0  # seconds for the revision lookup; downloads use HF_HUB_DOWNLOAD_TIMEOUT per read
 _SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)$")
+# Exceptions from these packages are the client's to translate; anything else is a bug here and propagates.
+_CLIENT_MODULES = ("huggingface_hub", "httpx2", "httpx", "httpcore2", "httpcore", "h11", "h2")
 
 T = TypeVar("T")
 
@@ -144,6 +147,7 @@ class HfStore:
                             timeout=_API_TIMEOUT,
                         ),
                         self.url(""),
+                        retry=True,
                     )
                     if not info.sha:
                         raise RemoteError(f"the Hub returned no commit for {self.url('')}")
@@ -208,6 +212,7 @@ class HfStore:
                     self.repo_id, [key], revision=commit, repo_type=self.repo_type, token=self.token
                 ),
                 self.url(key),
+                retry=True,
             )
             info = next((object_info(e) for e in found if isinstance(e, RepoFile) and e.path == key), None)
         if info is None:
@@ -280,9 +285,9 @@ class HfStore:
                         return
         except _RETRYABLE:
             raise
-        except StreamctlError:
-            raise
         except Exception as error:
+            if not is_client_error(error):
+                raise
             raise self._map(error, self.url(key)) from None
 
     # -- writing: refused --------------------------------------------------------------------------------------
@@ -298,18 +303,42 @@ class HfStore:
 
     # -- errors ------------------------------------------------------------------------------------------------
 
-    def _call(self, function: Callable[[], T], what: str) -> T:
-        try:
-            return function()
-        except StreamctlError:
-            raise
-        except Exception as error:
-            raise self._map(error, what) from None
+    def _call(self, function: Callable[[], T], what: str, retry: bool = False) -> T:
+        """Run one API call; with `retry`, network errors and 429/5xx are tried `max_attempts` times (the
+        revision and paths-info calls have no back-off of their own; list_repo_tree does)."""
+        failures = 0
+        while True:
+            try:
+                return function()
+            except Exception as error:
+                if not is_client_error(error):
+                    raise
+                failures += 1
+                if not (retry and failures < self.max_attempts and _transient(error)):
+                    raise self._map(error, what) from None
+            time.sleep(self.retry_wait * 2 ** (failures - 1))
 
     def _map(self, error: Exception, what: str) -> StreamctlError:
         mapped = map_error(error, what, self.repo_type, self.repo_id, self.revision or DEFAULT_REVISION)
         # The token must never reach a message, whatever a server or library echoed back.
-        return type(mapped)(redact(mapped.message, self.token), hint=redact(mapped.hint or "", self.token) or None)
+        hint = redact(mapped.hint, self.token) if mapped.hint else None
+        return type(mapped)(redact(mapped.message, self.token), hint=hint)
+
+
+def is_client_error(error: BaseException) -> bool:
+    """Raised by huggingface_hub or its HTTP stack, or a malformed answer (not JSON, a missing field)."""
+    if isinstance(error, StreamctlError):
+        return False
+    if isinstance(error, (OSError, json.JSONDecodeError, KeyError)):  # HfHubHTTPError is an OSError too
+        return True
+    return any(cls.__module__.split(".")[0] in _CLIENT_MODULES for cls in type(error).__mro__)
+
+
+def _transient(error: Exception) -> bool:
+    if isinstance(error, _RETRYABLE):
+        return True
+    response = error.response if isinstance(error, HfHubHTTPError) else None
+    return response is not None and response.status_code in _RETRY_STATUS
 
 
 def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revision: str) -> StreamctlError:
@@ -317,8 +346,10 @@ def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revisio
     kind = "dataset" if repo_type == "dataset" else "model"
     login_hint = "set HF_TOKEN to a valid token, run `hf auth login`, or pass --token"
     if isinstance(error, GatedRepoError):  # before RepositoryNotFoundError: it is a subclass
+        status = error.response.status_code if error.response is not None else 0
+        problem = "reading its files needs a token with access" if status == 401 else "this token has no access"
         return AccessDeniedError(
-            f"{what}: {kind} {repo_id} is gated and this token has no access to it",
+            f"{what}: {kind} {repo_id} is gated: {problem}",
             hint=f"accept the {kind}'s terms at {web_url(repo_type, repo_id)} and pass --token or set HF_TOKEN",
         )
     if isinstance(error, RepositoryNotFoundError):
@@ -359,15 +390,20 @@ def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revisio
         return RemoteError(f"{what}: timed out talking to the Hub", hint="check the network, or retry")
     if isinstance(error, httpx.HTTPError):  # connection refused or reset, protocol errors, too many redirects
         return RemoteError(
-            f"{what}: network error ({type(error).__name__}: {error})", hint=f"check the network and HF_ENDPOINT"
+            f"{what}: network error ({type(error).__name__}: {error})", hint="check the network and HF_ENDPOINT"
+        )
+    if isinstance(error, (json.JSONDecodeError, KeyError)):
+        return RemoteError(
+            f"{what}: unexpected answer from the Hub ({type(error).__name__}: {error})",
+            hint="check HF_ENDPOINT: is a proxy answering instead of the Hub?",
         )
     return RemoteError(f"{what}: {type(error).__name__}: {error}")
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
     """Options override the URL: --revision / --repo-type / --token beat @REV and datasets/."""
-    repo_type = options.hf_repo_type or getattr(parsed, "hf_repo_type", None) or "model"
-    revision = options.hf_revision or getattr(parsed, "revision", None)
+    repo_type = options.hf_repo_type or parsed.repo_type or "model"
+    revision = options.hf_revision or parsed.revision
     return HfStore(
         repo_id=parsed.bucket,
         repo_type=repo_type,

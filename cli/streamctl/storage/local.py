@@ -58,6 +58,11 @@ def _write_metadata(path: Path, metadata: Mapping[str, str] | None) -> None:
             return  # no xattr support here: metadata is an optimisation, not a requirement
 
 
+def _raise(error: OSError) -> None:
+    if not isinstance(error, FileNotFoundError):  # a folder removed while listing is simply gone
+        raise error
+
+
 def _temporary_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
 
@@ -100,7 +105,8 @@ class LocalMultipartUpload:
                 size = self.final_path.stat().st_size
             except OSError as error:
                 raise _map_os_error(error, self.final_path) from None
-        return ObjectInfo(self.key, size, None, dict(self.metadata))
+        # Lower-cased like the stored attributes, so complete() and stat() agree (see ObjectInfo).
+        return ObjectInfo(self.key, size, None, {name.lower(): value for name, value in self.metadata.items()})
 
     def abort(self) -> None:
         with self._lock:
@@ -144,7 +150,7 @@ class LocalStore:
             return
         found: list[str] = []
         try:
-            for folder, dirs, files in os.walk(start, onerror=None):
+            for folder, dirs, files in os.walk(start, onerror=_raise):  # an unreadable folder must not vanish
                 dirs.sort()
                 relative_folder = Path(folder).relative_to(self.root).as_posix()
                 for name in files:

@@ -1,0 +1,172 @@
+"""Turn cloud SDK failures into the `streamctl.errors` tree the same way for every backend.
+
+Each backend reduces an SDK exception to a `Failure` (a service-neutral kind plus the service's own words);
+`to_error` turns that into one error whose message is one line naming the URL and whose hint names the fix.
+`guard` is the context manager the backends wrap every SDK call in (generator bodies included). Nothing here
+imports an SDK, so this module is as cheap to import as `base.py`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from streamctl.errors import (
+    AccessDeniedError,
+    IntegrityError,
+    NotFoundError,
+    RemoteError,
+    StreamctlError,
+    UsageError,
+)
+
+
+class Op(enum.Enum):
+    """What the caller was doing; it picks the permission a 403 hint names."""
+
+    LIST = "list"
+    READ = "read"
+    WRITE = "write"
+    DELETE = "delete"
+
+
+class Kind(enum.Enum):
+    NO_CREDENTIALS = "no credentials"  # nothing found to authenticate with
+    BAD_CREDENTIALS = "bad credentials"  # found, but rejected (wrong key, expired token, bad signature)
+    DENIED = "denied"  # authenticated, but lacking a permission
+    NO_BUCKET = "no bucket"
+    NO_OBJECT = "no object"
+    NOT_FOUND = "not found"  # a 404 that does not say which: the store probes the bucket to decide
+    UNAVAILABLE = "unavailable"  # network, timeout, throttling or 5xx, after the SDK's retries
+    INVALID = "invalid"  # the service refused the request as malformed (usually our input)
+    CORRUPT = "corrupt"  # a checksum failed in transit
+    OTHER = "other"
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: Kind
+    detail: str  # the service's words, e.g. "403 AccessDenied: Access Denied"
+
+
+@dataclass(frozen=True)
+class ServiceHints:
+    """Per-service wording for hints."""
+
+    service: str  # "S3", "GCS", "Azure Blob"
+    container: str  # what the service calls a bucket
+    credentials: str  # how to provide credentials
+    permissions: Mapping[Op, str]  # what to grant for each operation
+    network: str  # what to check when the service cannot be reached
+
+
+def one_line(text: object, limit: int = 240) -> str:
+    """The service's message squeezed onto one short line (SDK messages span lines and carry XML)."""
+    line = re.sub(r"\s+", " ", str(text)).strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def kind_for_status(status: int | None) -> Kind:
+    """The usual meaning of an HTTP status; service error codes refine it before this is consulted."""
+    if status is None:
+        return Kind.OTHER
+    if status == 401:
+        return Kind.BAD_CREDENTIALS
+    if status == 403:
+        return Kind.DENIED
+    if status == 404:
+        return Kind.NOT_FOUND
+    if status in (408, 429) or status >= 500:
+        return Kind.UNAVAILABLE
+    if status == 400:
+        return Kind.INVALID
+    return Kind.OTHER
+
+
+def resolve_not_found(failure: Failure, bucket_exists: Callable[[], bool | None]) -> Failure:
+    """Turn an ambiguous 404 into NO_BUCKET or NO_OBJECT by probing the bucket (only on the error path).
+
+    `bucket_exists` returns None when it cannot tell (for example when the probe itself is denied);
+    the object is then assumed missing, the likelier case.
+    """
+    if failure.kind is not Kind.NOT_FOUND:
+        return failure
+    exists = bucket_exists()
+    return Failure(Kind.NO_BUCKET if exists is False else Kind.NO_OBJECT, failure.detail)
+
+
+def to_error(failure: Failure, *, url: str, bucket: str, op: Op, hints: ServiceHints) -> StreamctlError:
+    """The one error to raise for `failure` while doing `op` on `url`."""
+    kind, detail = failure.kind, failure.detail
+    where = f"{hints.container} {bucket!r}"
+    if kind is Kind.NO_CREDENTIALS:
+        return AccessDeniedError(f"{url}: no {hints.service} credentials found ({detail})", hint=hints.credentials)
+    if kind is Kind.BAD_CREDENTIALS:
+        return AccessDeniedError(
+            f"{url}: {hints.service} rejected the credentials ({detail})",
+            hint=f"refresh or replace them: {hints.credentials}",
+        )
+    if kind is Kind.DENIED:
+        return AccessDeniedError(
+            f"{url}: access denied to {op.value} ({detail})",
+            hint=f"grant {hints.permissions[op]} on {where} to the identity in use, or use other credentials",
+        )
+    if kind is Kind.NO_BUCKET:
+        return NotFoundError(
+            f"{url}: {where} does not exist",
+            hint=f"check the {hints.container} name in the URL, or create the {hints.container} first",
+        )
+    if kind in (Kind.NO_OBJECT, Kind.NOT_FOUND):
+        return NotFoundError(f"{url}: no such object", hint="check the path; list the prefix to see what exists")
+    if kind is Kind.UNAVAILABLE:
+        return RemoteError(f"{url}: {hints.service} unavailable after retries ({detail})", hint=hints.network)
+    if kind is Kind.CORRUPT:
+        return IntegrityError(f"{url}: data corrupted in transit ({detail})", hint="retry the command")
+    if kind is Kind.INVALID:
+        return UsageError(f"{url}: {hints.service} refused the request ({detail})")
+    return RemoteError(f"{url}: {hints.service} {op.value} failed ({detail})")
+
+
+# Exceptions from these packages (and OSError, which sockets raise through every SDK) are translated;
+# anything else inside a guarded block is a bug in our code and propagates unchanged.
+SDK_MODULES = ("botocore", "boto3", "s3transfer", "urllib3", "requests", "google", "azure")
+
+
+def is_sdk_exception(error: BaseException) -> bool:
+    if isinstance(error, OSError):
+        return True
+    return any(cls.__module__.split(".", 1)[0] in SDK_MODULES for cls in type(error).__mro__)
+
+
+@contextmanager
+def guard(translate: Callable[[Exception], StreamctlError]) -> Iterator[None]:
+    """Re-raise every SDK exception from the block as `translate(exception)`, chained for debugging.
+
+    Used around generator bodies too, so errors raised while paging through a listing are translated.
+    """
+    try:
+        yield
+    except StreamctlError:
+        raise
+    except Exception as error:
+        if not is_sdk_exception(error):
+            raise
+        raise translate(error) from error
+
+
+def lower_keys(metadata: Mapping[str, str] | None) -> dict[str, str]:
+    """User metadata with lower-cased keys: stores disagree on case, so every backend normalises."""
+    return {str(key).lower(): str(value) for key, value in (metadata or {}).items()}
+
+
+def strip_etag(etag: str | None) -> str | None:
+    """ETags without the HTTP quotes some services add."""
+    return etag.strip('"') if etag else None
+
+
+def check_range(start: int, length: int) -> None:
+    if start < 0 or length < 0:
+        raise UsageError(f"invalid range {start}+{length}")

@@ -1,0 +1,386 @@
+"""Azure Blob Storage (block blobs) through azure-storage-blob.
+
+URLs: `az://CONTAINER/PREFIX` (account from StorageOptions.azure_account, else AZURE_STORAGE_ACCOUNT_NAME, else
+the connection string) or `https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX`. Authentication, first
+that applies: AZURE_STORAGE_CONNECTION_STRING (when its account is the one asked for), an account key
+(AZURE_STORAGE_KEY or AZURE_STORAGE_ACCOUNT_KEY), a SAS token (AZURE_STORAGE_SAS_TOKEN), else Microsoft Entra ID
+through azure.identity.DefaultAzureCredential (`az login`, managed identity, workload identity...).
+
+Multipart uploads stage blocks (`stage_block`, any order, any thread) and commit the block list in index
+order. Abort needs no request: staged but uncommitted blocks are never readable or listed, the next commit
+of the same blob discards every block not in its list, and Azure deletes the rest after a week. Block ids
+carry a per-upload nonce, so two uploads racing for one name never commit each other's blocks.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import re
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import azure.core.exceptions as aexc
+import requests
+from azure.core.pipeline.transport import RequestsTransport
+from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
+
+from streamctl.errors import StreamctlError, UsageError
+from streamctl.storage._errors import (
+    Failure,
+    Kind,
+    Op,
+    ServiceHints,
+    check_range,
+    guard,
+    kind_for_status,
+    lower_keys,
+    one_line,
+    resolve_not_found,
+    strip_etag,
+    to_error,
+)
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.url import ParsedURL
+
+HINTS = ServiceHints(
+    service="Azure Blob",
+    container="container",
+    credentials=(
+        "set AZURE_STORAGE_CONNECTION_STRING (or AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_KEY or "
+        "AZURE_STORAGE_SAS_TOKEN), or run `az login`"
+    ),
+    permissions={
+        Op.LIST: "the Storage Blob Data Reader role (or a SAS with list permission)",
+        Op.READ: "the Storage Blob Data Reader role (or a SAS with read permission)",
+        Op.WRITE: "the Storage Blob Data Contributor role (or a SAS with write permission)",
+        Op.DELETE: "the Storage Blob Data Contributor role (or a SAS with delete permission)",
+    },
+    network="check the network and the storage account name",
+)
+
+_BAD_CREDENTIAL_CODES = frozenset(
+    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
+)
+# Azure metadata names become HTTP headers and must be C# identifiers: no '-', no '.'.
+_METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_CONTENT = ContentSettings(content_type="application/octet-stream")
+
+
+def _error_code(error: aexc.HttpResponseError) -> str:
+    code = getattr(error, "error_code", None)
+    return str(getattr(code, "value", code) or "")
+
+
+def classify(error: BaseException) -> Failure:
+    """What an exception from azure-core, azure-storage-blob or azure-identity means, in neutral terms."""
+    name = type(error).__name__
+    if name == "CredentialUnavailableError":  # azure.identity, checked by name to avoid importing it
+        return Failure(Kind.NO_CREDENTIALS, one_line(error))
+    if isinstance(error, aexc.ClientAuthenticationError) and getattr(error, "status_code", None) is None:
+        # Raised by azure.identity before any storage request: no token could be obtained at all.
+        text = one_line(error)
+        no_token = "failed to retrieve a token from the included credentials" in text.lower()
+        return Failure(Kind.NO_CREDENTIALS if no_token else Kind.BAD_CREDENTIALS, text)
+    if isinstance(error, aexc.HttpResponseError):
+        status = getattr(error, "status_code", None)
+        code = _error_code(error)
+        # The message's first line; the rest is request ids and XML.
+        message = str(getattr(error, "message", "") or getattr(error, "reason", "") or "").split("\n", 1)[0]
+        detail = one_line(f"{status or ''} {code}: {message}".strip(" :"))
+        if code == "ContainerNotFound":
+            return Failure(Kind.NO_BUCKET, detail)
+        if code == "BlobNotFound":
+            return Failure(Kind.NO_OBJECT, detail)
+        # Azurite reports a wrong key as AuthorizationFailure, with Azure's AuthenticationFailed wording.
+        if code in _BAD_CREDENTIAL_CODES or "failed to authenticate" in message.lower():
+            return Failure(Kind.BAD_CREDENTIALS, detail)
+        if code.startswith("Authorization") or code == "InsufficientAccountPermissions":
+            return Failure(Kind.DENIED, detail)
+        if code in ("InvalidResourceName", "OutOfRangeInput") and status == 400:
+            return Failure(Kind.INVALID, detail)
+        return Failure(kind_for_status(status), detail)
+    if isinstance(error, (aexc.ServiceRequestError, aexc.ServiceResponseError, aexc.IncompleteReadError)):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    if isinstance(error, (requests.exceptions.RequestException, OSError)):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    return Failure(Kind.OTHER, one_line(f"{name}: {error}"))
+
+
+def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
+    """The streamctl error for an SDK exception (without the container probe a store adds for bare 404s)."""
+    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+
+
+@dataclass(frozen=True)
+class AzureAuth:
+    """The credential chosen for a store (no secrets in repr: it may end up in logs)."""
+
+    method: str  # "connection string", "account key", "SAS token" or "DefaultAzureCredential"
+    account: str | None
+    secret: str | None = field(default=None, repr=False)
+
+
+def _connection_string_account(connection_string: str) -> str | None:
+    for item in connection_string.split(";"):
+        name, _, value = item.partition("=")
+        if name.strip().lower() == "accountname" and value.strip():
+            return value.strip()
+    return None
+
+
+def choose_auth(url_account: str | None, option_account: str | None, environ: Mapping[str, str]) -> AzureAuth:
+    """Pick credentials in the documented order; no request is made."""
+    account = url_account or option_account or environ.get("AZURE_STORAGE_ACCOUNT_NAME") or None
+    connection_string = environ.get("AZURE_STORAGE_CONNECTION_STRING", "").strip()
+    if connection_string:
+        conn_account = _connection_string_account(connection_string)
+        # A connection string for another account must not silently redirect the upload there.
+        if account is None or conn_account is None or conn_account.lower() == account.lower():
+            return AzureAuth("connection string", account or conn_account, connection_string)
+    if account is None:
+        raise UsageError(
+            "no Azure storage account given",
+            hint="set AZURE_STORAGE_ACCOUNT_NAME (or AZURE_STORAGE_CONNECTION_STRING), or use "
+            "https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX",
+        )
+    key = environ.get("AZURE_STORAGE_KEY") or environ.get("AZURE_STORAGE_ACCOUNT_KEY")
+    if key:
+        return AzureAuth("account key", account, key.strip())
+    sas = environ.get("AZURE_STORAGE_SAS_TOKEN")
+    if sas:
+        return AzureAuth("SAS token", account, sas.strip().lstrip("?"))
+    return AzureAuth("DefaultAzureCredential", account)
+
+
+def _transport() -> RequestsTransport:
+    # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
+    try:  # azure-core's adapter reads in bigger blocks (faster downloads); private, so optional
+        from azure.core.pipeline.transport._bigger_block_size_http_adapters import (
+            BiggerBlockSizeHTTPAdapter as Adapter,
+        )
+    except ImportError:  # pragma: no cover - depends on the azure-core version
+        Adapter = requests.adapters.HTTPAdapter  # noqa: N806
+    retries = requests.adapters.Retry(total=False, redirect=False, raise_on_status=False)  # the SDK retries
+    adapter = Adapter(pool_connections=4, pool_maxsize=64, max_retries=retries)
+    session = requests.Session()
+    session.mount("https://", adapter)
+    session.mount("http://", adapter)
+    return RequestsTransport(session=session, session_owner=False, connection_timeout=20, read_timeout=120)
+
+
+def _make_service(auth: AzureAuth, max_attempts: int) -> BlobServiceClient:
+    common: dict[str, Any] = {
+        # The SDK default waits 15 s before the first retry and retries 3 times; keep it bounded by
+        # max_attempts and quicker. CRC64 is never requested (Azurite answers 500 to it).
+        "retry_policy": ExponentialRetry(
+            initial_backoff=1, increment_base=2, retry_total=max(0, max_attempts - 1), random_jitter_range=1
+        ),
+        "transport": _transport(),
+    }
+    if auth.method == "connection string":
+        try:
+            return BlobServiceClient.from_connection_string(auth.secret or "", **common)
+        except ValueError as error:
+            raise UsageError(
+                f"AZURE_STORAGE_CONNECTION_STRING is malformed ({one_line(error)})",
+                hint="copy it again from the portal (Access keys) or `az storage account show-connection-string`",
+            ) from None
+    account_url = f"https://{auth.account}.blob.core.windows.net"
+    if auth.method == "account key":
+        try:
+            base64.b64decode(auth.secret or "", validate=True)
+        except (binascii.Error, ValueError):
+            raise UsageError(
+                "AZURE_STORAGE_KEY is not a base64 account key", hint="copy it again from the portal (Access keys)"
+            ) from None
+        credential: Any = {"account_name": auth.account, "account_key": auth.secret}
+    elif auth.method == "SAS token":
+        credential = auth.secret
+    else:
+        from azure.identity import DefaultAzureCredential  # slow import; only when actually used
+
+        credential = DefaultAzureCredential()
+    return BlobServiceClient(account_url, credential=credential, **common)
+
+
+def block_id(nonce: str, index: int) -> str:
+    """Block ids of one blob must all have the same length; this one always encodes 17 characters."""
+    return base64.b64encode(f"{nonce}-{index:08d}".encode()).decode()
+
+
+def _check_metadata(metadata: Mapping[str, str], url: str) -> dict[str, str]:
+    metadata = lower_keys(metadata)
+    bad = [name for name in metadata if not _METADATA_NAME.match(name)]
+    if bad:
+        raise UsageError(
+            f"{url}: Azure metadata names must be letters, digits and '_' (got {', '.join(map(repr, bad))})",
+            hint="use names like 'streamctl_sha256' that every store accepts",
+        )
+    return metadata
+
+
+@dataclass
+class AzureMultipartUpload:
+    store: AzureStore
+    key: str
+    part_size: int
+    nonce: str
+    metadata: dict[str, str]
+    _sizes: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _state: str = "open"  # "open", "completed" or "aborted"
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        if self._state != "open":
+            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+        if not 0 <= index < self.store.max_parts:
+            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
+        with self.store._guard(Op.WRITE, self.key):
+            self.store._blob(self.key).stage_block(block_id(self.nonce, index), data, length=len(data))
+        with self._lock:
+            self._sizes[index] = len(data)
+
+    def complete(self) -> ObjectInfo:
+        with self._lock:
+            if self._state != "open":
+                raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+            sizes = dict(self._sizes)
+        indices = sorted(sizes)
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+            raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+        with self.store._guard(Op.WRITE, self.key):
+            response = self.store._blob(self.key).commit_block_list(
+                [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
+                metadata=self.metadata,
+                content_settings=_CONTENT,
+            )
+        with self._lock:
+            self._state = "completed"
+        return ObjectInfo(self.key, sum(sizes.values()), strip_etag(response.get("etag")), dict(self.metadata))
+
+    def abort(self) -> None:
+        # Nothing to send: see the module docstring for why uncommitted blocks are harmless.
+        with self._lock:
+            if self._state == "open":
+                self._state = "aborted"
+
+
+@dataclass
+class AzureStore:
+    bucket: str  # the container
+    auth: AzureAuth
+    max_attempts: int = 5
+    https_form: bool = False  # the user wrote https://ACCOUNT.blob.core.windows.net/...; echo that form
+    scheme: str = "az"
+    min_part_size: int = 1
+    max_parts: int = 50_000
+    max_block_size: int = 4000 * MiB  # largest block Azure accepts
+    page_size: int | None = None  # blobs per listing request; None: the service default (5000)
+    _container_instance: ContainerClient | None = field(default=None, repr=False)
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def account(self) -> str | None:
+        return self.auth.account
+
+    @property
+    def _container(self) -> ContainerClient:
+        if self._container_instance is None:
+            with self._client_lock:
+                if self._container_instance is None:
+                    with self._guard(Op.READ, ""):
+                        service = _make_service(self.auth, self.max_attempts)
+                        self._container_instance = service.get_container_client(self.bucket)
+        return self._container_instance
+
+    def _blob(self, key: str) -> Any:
+        return self._container.get_blob_client(key)
+
+    def url(self, key: str) -> str:
+        base = (
+            f"https://{self.auth.account}.blob.core.windows.net/{self.bucket}"
+            if self.https_form
+            else f"az://{self.bucket}"
+        )
+        return f"{base}/{key}" if key else base
+
+    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
+        return guard(lambda error: self._error(error, op, key))
+
+    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
+        failure = classify(error)
+        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
+            failure = Failure(Kind.NO_BUCKET, failure.detail)
+        failure = resolve_not_found(failure, self._container_exists)
+        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
+
+    def _container_exists(self) -> bool | None:
+        try:
+            return bool(self._container.exists())
+        except Exception:  # noqa: BLE001 - a failed probe only means "cannot tell"
+            return None
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Blobs come back in name order; folder markers of hierarchical-namespace accounts are skipped."""
+        with self._guard(Op.LIST, prefix):
+            for blob in self._container.list_blobs(
+                name_starts_with=prefix or None, include=["metadata"], results_per_page=self.page_size
+            ):
+                metadata = lower_keys(blob.metadata)
+                if metadata.get("hdi_isfolder") == "true":
+                    continue
+                yield ObjectInfo(blob.name, int(blob.size or 0), strip_etag(blob.etag), metadata)
+
+    def stat(self, key: str) -> ObjectInfo:
+        with self._guard(Op.READ, key):
+            props = self._blob(key).get_blob_properties()
+        return ObjectInfo(key, int(props.size or 0), strip_etag(props.etag), lower_keys(props.metadata))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(start, length)
+        if length == 0:
+            self.stat(key)  # an empty range still reports a missing object
+            return b""
+        with self._guard(Op.READ, key):
+            try:
+                return self._blob(key).download_blob(offset=start, length=length, max_concurrency=1).readall()
+            except aexc.HttpResponseError as error:
+                if getattr(error, "status_code", None) == 416:
+                    return b""  # the range starts at or after the end of the blob
+                raise
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        metadata = _check_metadata(metadata or {}, self.url(key))
+        with self._guard(Op.WRITE, key):
+            response = self._blob(key).upload_blob(
+                data, overwrite=True, metadata=metadata, content_settings=_CONTENT, length=len(data)
+            )
+        return ObjectInfo(key, len(data), strip_etag(response.get("etag")), metadata)
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+    ) -> AzureMultipartUpload:
+        if part_size > self.max_block_size:
+            raise UsageError(f"part size {part_size} exceeds Azure's block limit of {self.max_block_size}")
+        metadata = _check_metadata(metadata or {}, self.url(key))
+        return AzureMultipartUpload(self, key, part_size, uuid.uuid4().hex[:8], metadata)
+
+    def delete(self, key: str) -> None:
+        with self._guard(Op.DELETE, key):
+            try:
+                self._blob(key).delete_blob(delete_snapshots="include")
+            except aexc.ResourceNotFoundError:
+                return  # nothing to delete (blob or container)
+
+
+def open_store(parsed: ParsedURL, options: StorageOptions) -> AzureStore:
+    auth = choose_auth(parsed.account, options.azure_account, os.environ)
+    return AzureStore(
+        parsed.bucket, auth, max_attempts=max(1, options.max_attempts), https_form=parsed.account is not None
+    )

@@ -1,0 +1,405 @@
+"""Google Cloud Storage through google-cloud-storage (JSON API).
+
+Credentials are Application Default Credentials. With STORAGE_EMULATOR_HOST set (tests, local emulators) the
+client talks to the emulator with anonymous credentials and a project from GOOGLE_CLOUD_PROJECT.
+
+Multipart uploads: the SDK's parallel upload path (XML multipart, `transfer_manager.upload_chunks_concurrently`)
+is not served by the emulator, so parts are uploaded as temporary objects under
+`{key}.streamctl-parts/{upload_id}/` (never under the final name) and joined with `compose`. Compose takes at
+most 32 sources per call, so larger uploads are composed as a tree, each level in parallel, into temporary
+intermediates; only the last compose writes the final key, with its metadata, so nothing is visible under the
+key until `complete()` returns. Temporary objects are then deleted; `list()` hides that naming pattern so an
+upload in flight (or one left behind by a crash) never shows up as data.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import google.api_core.exceptions as gexc
+import google.auth
+import google.auth.exceptions as gauth
+import requests
+from google.api_core.retry import Retry
+from google.auth.credentials import AnonymousCredentials
+from google.auth.transport.requests import AuthorizedSession
+from google.cloud import storage
+from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
+
+from streamctl.errors import RemoteError, StreamctlError, UsageError
+from streamctl.storage._errors import (
+    Failure,
+    Kind,
+    Op,
+    ServiceHints,
+    check_range,
+    guard,
+    kind_for_status,
+    lower_keys,
+    one_line,
+    resolve_not_found,
+    to_error,
+)
+from streamctl.storage.base import ObjectInfo, StorageOptions
+from streamctl.storage.url import ParsedURL
+
+HINTS = ServiceHints(
+    service="GCS",
+    container="bucket",
+    credentials=(
+        "run `gcloud auth application-default login`, "
+        "or set GOOGLE_APPLICATION_CREDENTIALS to a service account key file"
+    ),
+    permissions={
+        Op.LIST: "storage.objects.list (roles/storage.objectViewer)",
+        Op.READ: "storage.objects.get (roles/storage.objectViewer)",
+        # Overwrites and multipart uploads (temporary part objects) also delete objects.
+        Op.WRITE: "storage.objects.create and storage.objects.delete (roles/storage.objectUser)",
+        Op.DELETE: "storage.objects.delete (roles/storage.objectUser)",
+    },
+    network="check the network (and STORAGE_EMULATOR_HOST if you use an emulator)",
+)
+
+PARTS_MARKER = ".streamctl-parts/"
+COMPOSE_LIMIT = 32  # sources per compose request
+_SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
+_DEFAULT_EMULATOR_PROJECT = "streamctl-emulator"
+_CONTENT_TYPE = "application/octet-stream"
+_RETRYABLE = (
+    gexc.TooManyRequests,
+    gexc.InternalServerError,
+    gexc.BadGateway,
+    gexc.ServiceUnavailable,
+    gexc.GatewayTimeout,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    requests.exceptions.Timeout,
+    gauth.TransportError,
+    ConnectionError,
+)
+T = TypeVar("T")
+
+
+def classify(error: BaseException) -> Failure:
+    """What an exception from google-cloud-storage or google-auth means, in service-neutral terms."""
+    if isinstance(error, gauth.DefaultCredentialsError):
+        return Failure(Kind.NO_CREDENTIALS, one_line(error))
+    if isinstance(error, gauth.RefreshError):
+        return Failure(Kind.BAD_CREDENTIALS, one_line(error))
+    if isinstance(error, gauth.TransportError):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    if isinstance(error, gexc.RetryError):
+        return Failure(Kind.UNAVAILABLE, one_line(error.cause or error))
+    if isinstance(error, DataCorruption):
+        return Failure(Kind.CORRUPT, one_line(error))
+    if isinstance(error, gexc.GoogleAPICallError):
+        status = error.code if isinstance(error.code, int) else None
+        detail = one_line(f"{status} {error.message}" if status else error.message)
+        if status == 404:
+            if "bucket does not exist" in (error.message or "").lower():
+                return Failure(Kind.NO_BUCKET, detail)
+            if "no such object" in (error.message or "").lower():
+                return Failure(Kind.NO_OBJECT, detail)
+        return Failure(kind_for_status(status), detail)
+    if isinstance(error, InvalidResponse):
+        status = getattr(getattr(error, "response", None), "status_code", None)
+        return Failure(kind_for_status(status), one_line(error))
+    if isinstance(error, (requests.exceptions.RequestException, OSError)):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    if type(error).__module__.startswith("urllib3"):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
+
+
+def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
+    """The streamctl error for an SDK exception (without the bucket probe a store adds for bare 404s)."""
+    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+
+
+def is_temporary(name: str) -> bool:
+    return PARTS_MARKER in name
+
+
+def _emulator_endpoint(environ: Mapping[str, str]) -> str | None:
+    host = environ.get("STORAGE_EMULATOR_HOST", "").strip()
+    if not host:
+        return None
+    return host if "://" in host else f"http://{host}"  # gcloud tools accept host:port without a scheme
+
+
+def _make_client(environ: Mapping[str, str] = os.environ) -> storage.Client:
+    emulator = _emulator_endpoint(environ)
+    project = environ.get("GOOGLE_CLOUD_PROJECT") or None
+    options: dict[str, str] = {}
+    if emulator:
+        # ADC does not exist next to an emulator, and the emulator ignores credentials anyway.
+        credentials: Any = AnonymousCredentials()
+        project = project or _DEFAULT_EMULATOR_PROJECT
+        options["api_endpoint"] = emulator
+    else:
+        credentials, adc_project = google.auth.default(scopes=_SCOPES)
+        project = project or adc_project
+    session = AuthorizedSession(credentials)
+    # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=64)
+    session.mount("https://", adapter)
+    session.mount("http://", adapter)
+    return storage.Client(project=project, credentials=credentials, _http=session, client_options=options or None)
+
+
+@dataclass
+class GCSMultipartUpload:
+    store: GCSStore
+    key: str
+    part_size: int
+    upload_id: str
+    metadata: dict[str, str]
+    _sizes: dict[int, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _state: str = "open"  # "open", "completing", "completed" or "aborted"
+    # Temporary objects that could not be deleted after a successful complete (best effort; hidden anyway).
+    leftovers: list[str] = field(default_factory=list)
+
+    @property
+    def temporary_prefix(self) -> str:
+        return f"{self.key}{PARTS_MARKER}{self.upload_id}/"
+
+    def part_name(self, index: int) -> str:
+        return f"{self.temporary_prefix}{index:05d}"
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        if self._state != "open":
+            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+        if not 0 <= index < self.store.max_parts:
+            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
+        self.store._upload(self.part_name(index), data, None, report_key=self.key)
+        with self._lock:
+            self._sizes[index] = len(data)
+            aborted = self._state == "aborted"
+        if aborted:
+            # abort() ran while this part was in flight and may have missed it.
+            self.store._delete_quietly([self.part_name(index)])
+
+    def complete(self) -> ObjectInfo:
+        with self._lock:
+            if self._state != "open":
+                raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+            self._state = "completing"
+            sizes = dict(self._sizes)
+        try:
+            indices = sorted(sizes)
+            if indices != list(range(len(indices))):
+                missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+                raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+            if not indices:
+                info = self.store.put(self.key, b"", self.metadata)
+            else:
+                info = self._compose_tree([self.part_name(index) for index in indices])
+        except BaseException:
+            with self._lock:
+                self._state = "open"  # so that abort() cleans up
+            raise
+        with self._lock:
+            self._state = "completed"
+        self._cleanup()
+        return info
+
+    def _compose_tree(self, names: list[str]) -> ObjectInfo:
+        level = 0
+        while len(names) > COMPOSE_LIMIT:
+            groups = [names[i : i + COMPOSE_LIMIT] for i in range(0, len(names), COMPOSE_LIMIT)]
+            targets = [f"{self.temporary_prefix}c{level}-{j:05d}" for j in range(len(groups))]
+            self.store._parallel(
+                lambda pair: self.store._compose(pair[0], pair[1], None, report_key=self.key),
+                list(zip(groups, targets)),
+            )
+            names, level = targets, level + 1
+        blob = self.store._compose(names, self.key, self.metadata, report_key=self.key)
+        return self.store._info(self.key, blob)
+
+    def _cleanup(self) -> None:
+        try:
+            names = [info.name for info in self.store._list_raw(self.temporary_prefix, Op.WRITE)]
+        except StreamctlError:
+            names = [self.part_name(index) for index in self._sizes]
+        self.leftovers = self.store._delete_quietly(names)
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._state in ("completed", "aborted"):
+                return
+            self._state = "aborted"
+        # List rather than trust our own record: a part whose response was lost may still have landed.
+        names = [info.name for info in self.store._list_raw(self.temporary_prefix, Op.WRITE)]
+        failed = self.store._delete_quietly(names)
+        if failed:
+            raise RemoteError(
+                f"{self.store.url(self.key)}: {len(failed)} temporary part objects could not be deleted",
+                hint=f"delete {self.store.url(self.temporary_prefix)}* by hand, or run the command again",
+            )
+
+
+@dataclass
+class GCSStore:
+    bucket: str
+    max_attempts: int = 5
+    scheme: str = "gs"
+    # Compose accepts sources of any size; parts are plain objects.
+    min_part_size: int = 1
+    # A composite object may hold at most 1024 components (Cloud Storage documentation).
+    max_parts: int = 1024
+    page_size: int | None = None  # objects per listing request; None: the service default (1000)
+    workers: int = 16  # threads for composing a level and for deleting temporary objects
+    _client_instance: storage.Client | None = field(default=None, repr=False)
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def _client(self) -> storage.Client:
+        # Built on first use: ADC lookup may read files or ask a metadata server.
+        if self._client_instance is None:
+            with self._client_lock:
+                if self._client_instance is None:
+                    with self._guard(Op.READ, ""):
+                        self._client_instance = _make_client()
+        return self._client_instance
+
+    @property
+    def _bucket(self) -> storage.Bucket:
+        return self._client.bucket(self.bucket)
+
+    def url(self, key: str) -> str:
+        return f"gs://{self.bucket}/{key}" if key else f"gs://{self.bucket}"
+
+    def _retry(self) -> Retry | None:
+        """A retry policy bounded by attempts (google's own is bounded only by time); fresh per call."""
+        if self.max_attempts <= 1:
+            return None
+        failures = itertools.count(1)
+
+        def predicate(error: BaseException) -> bool:
+            return isinstance(error, _RETRYABLE) and next(failures) < self.max_attempts
+
+        return Retry(predicate=predicate, initial=0.5, maximum=8.0, multiplier=2.0, timeout=600.0)
+
+    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
+        return guard(lambda error: self._error(error, op, key))
+
+    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
+        failure = classify(error)
+        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
+            failure = Failure(Kind.NO_BUCKET, failure.detail)  # a listing has no object to miss
+        failure = resolve_not_found(failure, self._bucket_exists)
+        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
+
+    def _bucket_exists(self) -> bool | None:
+        try:
+            return bool(self._bucket.exists(retry=None))
+        except Exception:  # noqa: BLE001 - needs storage.buckets.get, which object roles lack: "cannot tell"
+            return None
+
+    def _info(self, key: str, blob: Any) -> ObjectInfo:
+        return ObjectInfo(key, int(blob.size or 0), blob.etag, lower_keys(blob.metadata))
+
+    def _list_raw(self, prefix: str, op: Op) -> Iterator[Any]:
+        with self._guard(op, prefix):
+            yield from self._client.list_blobs(
+                self.bucket, prefix=prefix, page_size=self.page_size, retry=self._retry()
+            )
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        for blob in self._list_raw(prefix, Op.LIST):
+            if not is_temporary(blob.name):
+                yield self._info(blob.name, blob)
+
+    def stat(self, key: str) -> ObjectInfo:
+        with self._guard(Op.READ, key):
+            blob = self._bucket.blob(key)
+            blob.reload(retry=self._retry())
+            return self._info(key, blob)
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(start, length)
+        if length == 0:
+            self.stat(key)  # an empty range still reports a missing object
+            return b""
+        with self._guard(Op.READ, key):
+            try:
+                # raw_download: bytes as stored, never decompressed (ranges of transcoded objects are not
+                # ranges of the stored bytes); no checksum, as a range has none to check against.
+                return self._bucket.blob(key).download_as_bytes(
+                    start=start,
+                    end=start + length - 1,
+                    raw_download=True,
+                    checksum=None,
+                    retry=self._retry(),
+                )
+            except gexc.RequestRangeNotSatisfiable:
+                return b""  # the range starts at or after the end of the object
+
+    def _upload(self, name: str, data: bytes, metadata: Mapping[str, str] | None, *, report_key: str) -> Any:
+        with self._guard(Op.WRITE, report_key):
+            blob = self._bucket.blob(name)
+            if metadata:
+                blob.metadata = dict(metadata)
+            blob.upload_from_string(data, content_type=_CONTENT_TYPE, retry=self._retry())
+            return blob
+
+    def _compose(
+        self, sources: list[str], target: str, metadata: Mapping[str, str] | None, *, report_key: str
+    ) -> Any:
+        with self._guard(Op.WRITE, report_key):
+            bucket = self._bucket
+            blob = bucket.blob(target)
+            blob.content_type = _CONTENT_TYPE
+            if metadata:
+                blob.metadata = dict(metadata)
+            # Retrying is safe: composing the same sources into the same name again gives the same bytes.
+            blob.compose([bucket.blob(name) for name in sources], retry=self._retry())
+            return blob
+
+    def _parallel(self, function: Callable[[T], object], items: list[T]) -> None:
+        with ThreadPoolExecutor(max_workers=min(self.workers, max(1, len(items)))) as pool:
+            for future in [pool.submit(function, item) for item in items]:
+                future.result()  # re-raises the first failure (already a StreamctlError)
+
+    def _delete_quietly(self, names: list[str]) -> list[str]:
+        """Delete `names` in parallel; return those that could not be deleted."""
+        failed: list[str] = []
+
+        def delete(name: str) -> None:
+            try:
+                self.delete(name)
+            except StreamctlError:
+                failed.append(name)
+
+        if names:
+            self._parallel(delete, names)
+        return failed
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        blob = self._upload(key, data, lower_keys(metadata), report_key=key)
+        return self._info(key, blob)
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+    ) -> GCSMultipartUpload:
+        # Nothing to create on the server: parts are independent objects until complete() composes them.
+        return GCSMultipartUpload(self, key, part_size, uuid.uuid4().hex[:16], lower_keys(metadata))
+
+    def delete(self, key: str) -> None:
+        with self._guard(Op.DELETE, key):
+            try:
+                self._bucket.blob(key).delete(retry=self._retry())
+            except gexc.NotFound:
+                return  # nothing to delete (object or bucket)
+
+
+def open_store(parsed: ParsedURL, options: StorageOptions) -> GCSStore:
+    return GCSStore(parsed.bucket, max_attempts=max(1, options.max_attempts))

@@ -1,0 +1,375 @@
+"""S3 and S3-compatible stores through boto3.
+
+Credentials come from boto3's own chain only (env, profiles, SSO, instance roles). The endpoint comes from
+`StorageOptions.endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (passed explicitly so that it also
+works with boto3 versions that do not read them). Multipart uploads are native S3 multipart uploads.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import boto3
+import botocore.exceptions as bce
+from botocore.config import Config
+
+from streamctl.errors import StreamctlError, UsageError
+from streamctl.storage._errors import (
+    Failure,
+    Kind,
+    Op,
+    ServiceHints,
+    check_range,
+    guard,
+    kind_for_status,
+    lower_keys,
+    one_line,
+    resolve_not_found,
+    strip_etag,
+    to_error,
+)
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.url import ParsedURL
+
+HINTS = ServiceHints(
+    service="S3",
+    container="bucket",
+    credentials=(
+        "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE "
+        "(run `aws configure`, or `aws sso login` for SSO profiles)"
+    ),
+    permissions={
+        Op.LIST: "s3:ListBucket",
+        # Without s3:ListBucket, S3 also answers 403 instead of 404 for a missing object.
+        Op.READ: "s3:GetObject (and s3:ListBucket)",
+        Op.WRITE: "s3:PutObject (and s3:AbortMultipartUpload)",
+        Op.DELETE: "s3:DeleteObject",
+    },
+    network="check the network and the endpoint (--endpoint-url or AWS_ENDPOINT_URL)",
+)
+
+# Error codes S3 and S3-compatible services use for rejected (rather than insufficient) credentials.
+_BAD_CREDENTIAL_CODES = frozenset(
+    {
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "InvalidClientTokenId",
+        "RequestTimeTooSkewed",
+    }
+)
+_UNAVAILABLE_CODES = frozenset(
+    {"SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling", "ThrottlingException"}
+)
+_MISSING_CREDENTIALS = tuple(
+    cls
+    for cls in (
+        getattr(bce, name, None)
+        for name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound", "NoAuthTokenError")
+    )
+    if cls is not None
+)
+# SSO / login token problems: credentials exist but need refreshing.
+_STALE_CREDENTIALS = tuple(
+    cls
+    for cls in (
+        getattr(bce, name, None)
+        for name in ("CredentialRetrievalError", "TokenRetrievalError", "SSOError", "LoginError")
+    )
+    if cls is not None
+)
+_NETWORK = (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError)
+
+
+def _client_error_status(error: bce.ClientError) -> tuple[int | None, str, str]:
+    info = error.response.get("Error", {}) or {}
+    status = (error.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode")
+    return status, str(info.get("Code", "") or ""), str(info.get("Message", "") or "")
+
+
+def classify(error: BaseException) -> Failure:
+    """What an exception from boto3 means, in service-neutral terms."""
+    if isinstance(error, bce.ClientError):
+        status, code, message = _client_error_status(error)
+        detail = one_line(f"{status or ''} {code}: {message}".strip(": "))
+        if code == "NoSuchBucket":
+            return Failure(Kind.NO_BUCKET, detail)
+        if code == "NoSuchKey":
+            return Failure(Kind.NO_OBJECT, detail)
+        if code in _BAD_CREDENTIAL_CODES:
+            return Failure(Kind.BAD_CREDENTIALS, detail)
+        if code in _UNAVAILABLE_CODES:
+            return Failure(Kind.UNAVAILABLE, detail)
+        if code in ("InvalidBucketName", "KeyTooLongError"):
+            return Failure(Kind.INVALID, detail)
+        if code == "NoSuchUpload":  # aborted or expired multipart upload: not the bucket or the object
+            return Failure(Kind.OTHER, detail)
+        return Failure(kind_for_status(status), detail)
+    if isinstance(error, _MISSING_CREDENTIALS):
+        return Failure(Kind.NO_CREDENTIALS, one_line(error))
+    if isinstance(error, _STALE_CREDENTIALS):
+        return Failure(Kind.BAD_CREDENTIALS, one_line(error))
+    if isinstance(error, bce.FlexibleChecksumError):
+        return Failure(Kind.CORRUPT, one_line(error))
+    if isinstance(error, _NETWORK) or isinstance(error, OSError) or type(error).__module__.startswith("urllib3"):
+        return Failure(Kind.UNAVAILABLE, one_line(error))
+    if isinstance(error, bce.ParamValidationError):
+        return Failure(Kind.INVALID, one_line(error))
+    return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
+
+
+def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
+    """The streamctl error for an exception from boto3 (without the bucket probe a store adds for 404s)."""
+    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+
+
+@dataclass(frozen=True)
+class S3Settings:
+    """How the client is built, resolved from options and the environment (kept apart to be testable)."""
+
+    endpoint_url: str | None
+    addressing_style: str  # "path", "virtual" or "auto"
+    max_attempts: int
+
+
+def resolve_settings(options: StorageOptions, environ: Mapping[str, str] = os.environ) -> S3Settings:
+    endpoint = options.endpoint_url or environ.get("AWS_ENDPOINT_URL_S3") or environ.get("AWS_ENDPOINT_URL") or None
+    path_style = options.path_style
+    if path_style is None:
+        # The Run:ai Model Streamer's switch, so one environment serves both streamctl and the streamer.
+        virtual = environ.get("RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "").strip().lower()
+        if virtual in ("0", "false", "no"):
+            path_style = True
+        elif virtual in ("1", "true", "yes"):
+            path_style = False
+    style = "auto" if path_style is None else ("path" if path_style else "virtual")
+    return S3Settings(endpoint, style, max(1, options.max_attempts))
+
+
+def _make_client(settings: S3Settings) -> Any:
+    config = Config(
+        retries={"mode": "standard", "max_attempts": settings.max_attempts},
+        # Transfers run ~32 threads on one client; botocore's default pool of 10 would serialise them.
+        max_pool_connections=64,
+        s3={"addressing_style": settings.addressing_style},
+        connect_timeout=10,
+        read_timeout=120,
+        user_agent_extra="streamctl",
+    )
+    # A private session: boto3's default session is not safe to create clients from in several threads.
+    return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
+
+
+@dataclass
+class S3MultipartUpload:
+    store: S3Store
+    key: str
+    part_size: int
+    upload_id: str
+    metadata: dict[str, str]
+    checksum_algorithm: str | None = None  # per-part checksum S3 verifies (as boto3's own transfers do)
+    _parts: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _state: str = "open"  # "open", "completed" or "aborted"
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        if self._state != "open":
+            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+        if not 0 <= index < self.store.max_parts:
+            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
+        extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
+        with self.store._guard(Op.WRITE, self.key):
+            response = self.store._client.upload_part(
+                Bucket=self.store.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                PartNumber=index + 1,
+                Body=data,
+                **extra,
+            )
+        part = {"PartNumber": index + 1, "ETag": response["ETag"]}
+        if self.checksum_algorithm:
+            # An upload created with a checksum algorithm must list each part's checksum on completion.
+            member = f"Checksum{self.checksum_algorithm}"
+            if response.get(member):
+                part[member] = response[member]
+        with self._lock:
+            self._parts[index] = (part, len(data))
+
+    def complete(self) -> ObjectInfo:
+        with self._lock:
+            if self._state != "open":
+                raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
+            parts = dict(self._parts)
+        indices = sorted(parts)
+        if indices != list(range(len(indices))):
+            missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+            raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+        if not parts:
+            # S3 refuses to complete an upload without parts; an empty object is a plain put.
+            self.abort()
+            return self.store.put(self.key, b"", self.metadata)
+        with self.store._guard(Op.WRITE, self.key):
+            response = self.store._client.complete_multipart_upload(
+                Bucket=self.store.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": [parts[index][0] for index in indices]},
+            )
+        with self._lock:
+            self._state = "completed"
+        size = sum(length for _, length in parts.values())
+        return ObjectInfo(self.key, size, strip_etag(response.get("ETag")), dict(self.metadata))
+
+    def abort(self) -> None:
+        with self._lock:
+            if self._state != "open":
+                return
+            self._state = "aborted"
+        try:
+            with self.store._guard(Op.WRITE, self.key):
+                self.store._client.abort_multipart_upload(
+                    Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
+                )
+        except StreamctlError as error:
+            if _is_no_such_upload(error):
+                return  # already gone: aborted elsewhere, or expired by a lifecycle rule
+            raise
+
+
+def _is_no_such_upload(error: StreamctlError) -> bool:
+    cause = error.__cause__
+    return isinstance(cause, bce.ClientError) and _client_error_status(cause)[1] == "NoSuchUpload"
+
+
+@dataclass
+class S3Store:
+    bucket: str
+    settings: S3Settings
+    scheme: str = "s3"
+    min_part_size: int = 5 * MiB
+    max_parts: int = 10_000
+    page_size: int | None = None  # keys per listing request; None: the service default (1000)
+    _client_instance: Any = field(default=None, repr=False)
+    _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def _client(self) -> Any:
+        # Built on first use: building it reads config files, and nothing is contacted before a request.
+        if self._client_instance is None:
+            with self._client_lock:
+                if self._client_instance is None:
+                    with self._guard(Op.READ, ""):
+                        self._client_instance = _make_client(self.settings)
+        return self._client_instance
+
+    def url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+
+    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
+        return guard(lambda error: self._error(error, op, key))
+
+    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
+        failure = resolve_not_found(classify(error), self._bucket_exists)
+        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
+
+    def _bucket_exists(self) -> bool | None:
+        # HEAD answers 404 without saying whether the bucket or the key is missing; ask about the bucket.
+        try:
+            self._client.head_bucket(Bucket=self.bucket)
+            return True
+        except bce.ClientError as error:
+            return False if _client_error_status(error)[0] == 404 else None
+        except Exception:  # noqa: BLE001 - a failed probe only means "cannot tell"
+            return None
+
+    def _info(self, key: str, response: Mapping[str, Any]) -> ObjectInfo:
+        return ObjectInfo(
+            key,
+            int(response.get("ContentLength", 0)),
+            strip_etag(response.get("ETag")),
+            lower_keys(response.get("Metadata")),
+        )
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """S3 returns keys in UTF-8 byte order, which is Python's str order. Listings carry no user metadata."""
+        with self._guard(Op.LIST, prefix):
+            paginator = self._client.get_paginator("list_objects_v2")
+            config = {"PageSize": self.page_size} if self.page_size else {}
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig=config):
+                for item in page.get("Contents", ()):
+                    yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
+
+    def stat(self, key: str) -> ObjectInfo:
+        with self._guard(Op.READ, key):
+            return self._info(key, self._client.head_object(Bucket=self.bucket, Key=key))
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        check_range(start, length)
+        if length == 0:
+            self.stat(key)  # an empty range still reports a missing object
+            return b""
+        with self._guard(Op.READ, key):
+            try:
+                response = self._client.get_object(
+                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
+                )
+            except bce.ClientError as error:
+                if _client_error_status(error)[0] == 416:
+                    return b""  # the range starts at or after the end of the object
+                raise
+            data = response["Body"].read()
+        if not response.get("ContentRange"):
+            data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
+        return data
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        metadata = lower_keys(metadata)
+        with self._guard(Op.WRITE, key):
+            response = self._client.put_object(
+                Bucket=self.bucket,
+                Key=key,
+                Body=data,
+                Metadata=metadata,
+                ContentType="application/octet-stream",
+            )
+        return ObjectInfo(key, len(data), strip_etag(response.get("ETag")), metadata)
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+    ) -> S3MultipartUpload:
+        metadata = lower_keys(metadata)
+        with self._guard(Op.WRITE, key):
+            # Like boto3's upload_file: CRC32 per part unless checksums are off (AWS_REQUEST_CHECKSUM_CALCULATION
+            # =when_required, for S3-compatible services that reject them).
+            checksums = self._client.meta.config.request_checksum_calculation == "when_supported"
+            extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
+            response = self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+            )
+        return S3MultipartUpload(
+            self, key, part_size, response["UploadId"], metadata, "CRC32" if checksums else None
+        )
+
+    def delete(self, key: str) -> None:
+        try:
+            with self._guard(Op.DELETE, key):
+                self._client.delete_object(Bucket=self.bucket, Key=key)
+        except StreamctlError as error:
+            if isinstance(error.__cause__, bce.ClientError) and classify(error.__cause__).kind in (
+                Kind.NO_BUCKET,
+                Kind.NO_OBJECT,
+                Kind.NOT_FOUND,
+            ):
+                return  # nothing to delete
+            raise
+
+
+def open_store(parsed: ParsedURL, options: StorageOptions) -> S3Store:
+    return S3Store(parsed.bucket, resolve_settings(options))

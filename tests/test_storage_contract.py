@@ -1,0 +1,746 @@
+"""The storage contract (storage/base.py), run against every backend: a local folder, S3 (moto), GCS
+(gcp-storage-emulator) and Azure Blob (Azurite); plus URL parsing and the SDK-error mapping.
+
+Access denied with a real 403: S3 via moto's IAM authentication (switched on for one test, with a user whose
+policy allows only s3:ListBucket), Azure via Azurite with a wrong account key and with a read-only SAS. The GCS
+emulator has no authorization at all, so GCS 401/403 (and the cases no local server produces: throttling,
+expired tokens, corruption, missing credentials on Azure) are covered by unit tests of the mapping functions.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from servers import AZURITE_KEY, GCSServer, S3Server, StorageServers, azurite_connection_string, unique_name
+
+from streamctl.errors import (
+    AccessDeniedError,
+    IntegrityError,
+    NotFoundError,
+    RemoteError,
+    StreamctlError,
+    UsageError,
+)
+from streamctl.storage import Location, ParsedURL, StorageOptions, open_location, parse_url
+from streamctl.storage._errors import Op
+from streamctl.storage.base import MiB
+
+# Few SDK retries: failure paths stay fast, and one retry still exercises the retry configuration.
+OPTIONS = StorageOptions(max_attempts=2)
+REMOTE = ("s3", "gs", "az")
+BACKEND_MODULES = {"s3": "s3", "gs": "gcs", "az": "azure"}
+
+
+def open_root(url: str, options: StorageOptions = OPTIONS) -> Location:
+    return open_location(url, options)
+
+
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.node.callspec.params["any_root"])
+
+
+def put_all(location: Location, names: list[str], data: bytes = b"x") -> None:
+    for name in names:
+        location.store.put(location.key(name), data)
+
+
+def names_under(location: Location) -> list[str]:
+    return [location.relative(info.key) for info in location.list()]
+
+
+def xattrs_supported(path: str) -> bool:
+    """Local metadata lives in extended attributes; some file systems (older tmpfs) have none."""
+    probe = Path(path) / ".xattr-probe"
+    probe.write_bytes(b"")
+    try:
+        os.setxattr(probe, "user.streamctl.probe", b"1")
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.unlink()
+
+
+def missing_bucket_url(url: str, tmp_path: Path) -> str:
+    parsed = parse_url(url)
+    if parsed.scheme == "file":
+        return str(tmp_path / "no-such-folder")
+    return f"{parsed.scheme}://{unique_name('missing')}/data"
+
+
+# -- listing ----------------------------------------------------------------------------------------------
+
+
+def test_list_is_recursive_in_key_order_and_location_excludes_sibling_prefixes(any_root: str) -> None:
+    root = open_root(any_root)
+    put_all(root, ["ab", "a2/y", "a/b", "a/2/x", "a/1", "b"], data=b"12345")
+    folder = Location(root.store, root.key("a"))
+
+    assert names_under(folder) == ["1", "2/x", "b"]  # a2/ and ab are siblings, not children
+    assert all(info.size == 5 for info in folder.list())
+    # Store.list is a plain string prefix: siblings included, still in key order.
+    by_string_prefix = [root.relative(info.key) for info in root.store.list(root.key("a"))]
+    assert by_string_prefix == ["a/1", "a/2/x", "a/b", "a2/y", "ab"]
+    assert names_under(root) == ["a/1", "a/2/x", "a/b", "a2/y", "ab", "b"]
+    assert list(Location(root.store, root.key("nothing-here")).list()) == []
+
+
+def test_list_follows_pagination(any_root: str, request: pytest.FixtureRequest) -> None:
+    root = open_root(any_root)
+    if hasattr(root.store, "page_size"):
+        root.store.page_size = 3  # type: ignore[attr-defined]
+    names = [f"p/{index:02d}" for index in range(11)]
+    shuffled = names[:]
+    random.Random(7).shuffle(shuffled)
+    put_all(root, shuffled)
+
+    # Count listing requests, to prove the listing really spans pages (4 pages of at most 3).
+    # The GCS emulator ignores maxResults (one page whatever the size), so there only the result is checked.
+    pages: list[int] = []
+    if backend(request) == "s3":
+        root.store._client.meta.events.register(  # type: ignore[attr-defined]
+            "after-call.s3.ListObjectsV2", lambda **_: pages.append(1)
+        )
+    elif backend(request) == "az":
+        container = root.store._container  # type: ignore[attr-defined]
+        list_blobs = container.list_blobs
+        container.list_blobs = lambda *args, **kwargs: list_blobs(
+            *args, raw_response_hook=lambda _: pages.append(1), **kwargs
+        )
+    assert names_under(root) == names
+    if backend(request) in ("s3", "az"):
+        assert len(pages) == 4
+
+
+# -- stat, put, read --------------------------------------------------------------------------------------
+
+
+def test_put_and_stat_report_size_etag_and_lowercased_metadata(any_root: str, request: pytest.FixtureRequest) -> None:
+    root = open_root(any_root)
+    key = root.key("dir/model.safetensors")
+    metadata = {"Streamctl_SHA256": "ab" * 32, "origin": "hf://org/model"}
+
+    put_info = root.store.put(key, b"hello world", metadata)
+    info = root.store.stat(key)
+
+    assert (put_info.key, put_info.size) == (key, 11)
+    assert (info.key, info.size) == (key, 11)
+    assert info.etag
+    if backend(request) == "local" and not xattrs_supported(any_root):
+        pytest.skip("no extended attributes on this file system: local metadata is dropped by design")
+    expected = {"streamctl_sha256": "ab" * 32, "origin": "hf://org/model"}
+    assert dict(put_info.metadata) == expected
+    assert dict(info.metadata) == expected
+
+
+def test_put_overwrites_bytes_and_metadata(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("file.bin")
+    root.store.put(key, b"old old old", {"version": "1"})
+    first_etag = root.store.stat(key).etag
+
+    root.store.put(key, b"new", {"other": "2"})
+
+    info = root.store.stat(key)
+    assert info.size == 3
+    assert root.store.read_range(key, 0, 100) == b"new"
+    assert "version" not in info.metadata
+    assert info.etag != first_etag
+    assert names_under(root) == ["file.bin"]
+
+
+def test_read_range_edges(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("range.bin")
+    data = bytes(range(256)) * 4  # 1024 bytes, every offset distinguishable within 256
+    root.store.put(key, data)
+    read = root.store.read_range
+
+    assert read(key, 0, 0) == b""  # zero length
+    assert read(key, 0, 10) == data[:10]
+    assert read(key, 300, 17) == data[300:317]
+    assert read(key, 1023, 1) == data[-1:]  # last byte
+    assert read(key, 1020, 10) == data[1020:]  # spans the end: fewer bytes
+    assert read(key, 1024, 5) == b""  # at the end
+    assert read(key, 5000, 5) == b""  # past the end
+    assert read(key, 0, 1 << 20) == data  # more than all
+    with pytest.raises(UsageError):
+        read(key, -1, 5)
+
+
+def test_read_range_of_empty_object(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("empty")
+    root.store.put(key, b"")
+
+    assert root.store.stat(key).size == 0
+    assert root.store.read_range(key, 0, 10) == b""
+    assert root.store.read_range(key, 0, 0) == b""
+
+
+# -- multipart --------------------------------------------------------------------------------------------
+
+
+def _parts(store_min: int, count: int, tail: int) -> tuple[int, list[bytes]]:
+    part_size = max(store_min, 64 * 1024)
+    rng = random.Random(count)
+    parts = [rng.randbytes(part_size) for _ in range(count - 1)] + [rng.randbytes(tail)]
+    return part_size, parts
+
+
+def test_multipart_parallel_out_of_order_is_invisible_until_complete(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("big/model-00001.safetensors")
+    part_size, parts = _parts(root.store.min_part_size, 4, 1234)
+    order = [3, 1, 0, 2]
+
+    upload = root.store.start_multipart(key, part_size, {"Streamctl_SHA256": "cafe"})
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda index: upload.upload_part(index, parts[index]), order))
+
+    assert names_under(root) == []  # nothing visible, temporary part objects included
+    with pytest.raises(NotFoundError):
+        root.store.stat(key)
+
+    info = upload.complete()
+
+    expected = b"".join(parts)
+    assert (info.key, info.size) == (key, len(expected))
+    stat = root.store.stat(key)
+    assert stat.size == len(expected)
+    assert root.store.read_range(key, 0, len(expected) + 10) == expected
+    assert root.store.read_range(key, part_size - 3, 6) == expected[part_size - 3 : part_size + 3]
+    assert names_under(root) == ["big/model-00001.safetensors"]
+    if parse_url(any_root).scheme != "file" or xattrs_supported(any_root):
+        assert stat.metadata.get("streamctl_sha256") == "cafe"
+
+
+def test_multipart_abort_leaves_nothing_and_keeps_an_older_object(any_root: str) -> None:
+    root = open_root(any_root)
+    fresh, existing = root.key("fresh.bin"), root.key("existing.bin")
+    root.store.put(existing, b"old content")
+    part_size, parts = _parts(root.store.min_part_size, 2, 100)
+
+    for key in (fresh, existing):
+        upload = root.store.start_multipart(key, part_size)
+        upload.upload_part(1, parts[1])
+        upload.upload_part(0, parts[0])
+        upload.abort()
+        upload.abort()  # safe twice
+
+    assert names_under(root) == ["existing.bin"]
+    assert root.store.read_range(existing, 0, 100) == b"old content"
+    with pytest.raises(NotFoundError):
+        root.store.stat(fresh)
+
+
+def test_multipart_without_parts_gives_an_empty_object(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("empty.bin")
+    upload = root.store.start_multipart(key, max(root.store.min_part_size, 1024))
+
+    info = upload.complete()
+
+    assert info.size == 0
+    assert root.store.stat(key).size == 0
+
+
+def test_gcs_multipart_composes_more_than_32_parts_and_cleans_up(
+    gs_root: str, storage_servers: StorageServers
+) -> None:
+    root = open_root(gs_root)
+    key = root.key("many-parts.bin")
+    parts = [bytes([index]) * 1000 for index in range(70)]  # 70 sources: two levels of compose
+    order = list(range(70))
+    random.Random(3).shuffle(order)
+
+    upload = root.store.start_multipart(key, 1000, {"k": "v"})
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(lambda index: upload.upload_part(index, parts[index]), order))
+    server = storage_servers.gcs()
+    assert isinstance(server, GCSServer)
+    bucket = parse_url(gs_root).bucket
+    assert len(server.object_names(bucket)) == 70  # the parts exist...
+    assert names_under(root) == []  # ...but list() hides them
+
+    info = upload.complete()
+
+    assert info.size == 70_000
+    assert root.store.read_range(key, 0, 80_000) == b"".join(parts)
+    assert root.store.stat(key).metadata == {"k": "v"}
+    assert server.object_names(bucket) == [key]  # parts and intermediates deleted
+    assert upload.leftovers == []  # type: ignore[attr-defined]
+
+
+# -- delete -----------------------------------------------------------------------------------------------
+
+
+def test_delete_removes_and_tolerates_missing(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("gone.bin")
+    root.store.put(key, b"data")
+
+    root.store.delete(key)
+    root.store.delete(key)  # already gone
+    root.store.delete(root.key("never-existed"))
+
+    with pytest.raises(NotFoundError):
+        root.store.stat(key)
+    assert names_under(root) == []
+
+
+# -- not found --------------------------------------------------------------------------------------------
+
+
+def test_missing_object_is_not_found(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("missing.bin")
+    url = root.store.url(key)
+
+    for call in (lambda: root.store.stat(key), lambda: root.store.read_range(key, 0, 10)):
+        with pytest.raises(NotFoundError) as caught:
+            call()
+        assert url in caught.value.message or str(Path(url)) in caught.value.message
+        if parse_url(any_root).scheme in REMOTE:
+            assert "no such object" in caught.value.message
+    with pytest.raises(NotFoundError):
+        root.store.read_range(key, 0, 0)
+
+
+def test_missing_bucket_is_not_found_and_says_so(any_root: str, tmp_path: Path) -> None:
+    url = missing_bucket_url(any_root, tmp_path)
+    root = open_root(url)
+
+    with pytest.raises(NotFoundError) as caught:
+        list(root.list())
+    if parse_url(url).scheme == "file":
+        return  # a local folder is created on first write; listing a missing one is the whole contract
+    word = "container" if parse_url(url).scheme == "az" else "bucket"
+    assert f"{word} {parse_url(url).bucket!r} does not exist" in caught.value.message
+    assert caught.value.hint and word in caught.value.hint
+
+    key = root.key("x.bin")
+    calls = {
+        "stat": lambda: root.store.stat(key),
+        "read": lambda: root.store.read_range(key, 0, 10),
+        "put": lambda: root.store.put(key, b"x"),
+        "multipart": lambda: root.store.start_multipart(key, root.store.min_part_size).upload_part(0, b"x"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(NotFoundError) as caught:
+            call()
+        assert f"{word} {parse_url(url).bucket!r} does not exist" in caught.value.message, name
+    root.store.delete(key)  # deleting from a missing bucket is "already gone"
+
+
+# -- access denied and unreachable services ---------------------------------------------------------------
+
+
+def test_s3_policy_denial_is_access_denied_naming_the_permission(
+    s3_root: str, storage_servers: StorageServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real 403 from moto's IAM enforcement: a user allowed s3:ListBucket only."""
+    server = storage_servers.s3()
+    assert isinstance(server, S3Server)
+    bucket = parse_url(s3_root).bucket
+    root = open_root(s3_root)
+    root.store.put(root.key("secret.bin"), b"data")
+    iam = server.iam_client()
+    user = unique_name("reader")
+    iam.create_user(UserName=user)
+    iam.put_user_policy(
+        UserName=user,
+        PolicyName="list-only",
+        PolicyDocument=(
+            '{"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:ListBucket",'
+            f' "Resource": "arn:aws:s3:::{bucket}"}}]}}'
+        ),
+    )
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    limited = open_root(s3_root)
+
+    server.set_auth(True)
+    try:
+        assert names_under(limited) == ["secret.bin"]  # the policy really is evaluated: listing is allowed
+        with pytest.raises(AccessDeniedError) as read_denied:
+            limited.store.read_range(limited.key("secret.bin"), 0, 4)
+        with pytest.raises(AccessDeniedError) as write_denied:
+            limited.store.put(limited.key("new.bin"), b"x")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAUNKNOWNKEY000000")
+        with pytest.raises(AccessDeniedError) as unknown_key:
+            list(open_root(s3_root).list())
+    finally:
+        server.set_auth(False)
+
+    assert s3_root in read_denied.value.message and "access denied to read" in read_denied.value.message
+    assert "s3:GetObject" in (read_denied.value.hint or "")
+    assert "s3:PutObject" in (write_denied.value.hint or "")
+    assert "rejected the credentials" in unknown_key.value.message
+    assert "AWS_ACCESS_KEY_ID" in (unknown_key.value.hint or "")
+
+
+def test_azure_wrong_key_and_read_only_sas_are_access_denied(
+    az_root: str, storage_servers: StorageServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
+    server = storage_servers.azure()
+    container = parse_url(az_root).bucket
+    open_root(az_root).store.put("data/a.bin", b"a")
+
+    wrong_key = base64.b64encode(b"not the key" * 4).decode()
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection_string(server.endpoint, wrong_key))
+    with pytest.raises(AccessDeniedError) as bad_key:
+        list(open_root(az_root).list())
+    assert "rejected the credentials" in bad_key.value.message
+    assert "AZURE_STORAGE_CONNECTION_STRING" in (bad_key.value.hint or "")
+
+    sas = generate_container_sas(
+        "devstoreaccount1",
+        container,
+        account_key=AZURITE_KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )
+    monkeypatch.setenv(
+        "AZURE_STORAGE_CONNECTION_STRING",
+        f"BlobEndpoint={server.endpoint}/devstoreaccount1;SharedAccessSignature={sas}",
+    )
+    read_only = open_root(az_root)
+    assert names_under(read_only) == ["a.bin"]  # the SAS works for what it grants
+    with pytest.raises(AccessDeniedError) as denied:
+        read_only.store.put("data/b.bin", b"b")
+    assert "access denied to write" in denied.value.message
+    assert "Storage Blob Data Contributor" in (denied.value.hint or "")
+
+
+@pytest.mark.parametrize("scheme", REMOTE)
+def test_unreachable_service_is_remote_error(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from servers import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens here
+    monkeypatch.setenv("AWS_ENDPOINT_URL", dead)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", dead)
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection_string(dead))
+    root = open_root(f"{scheme}://bucket-x/data", StorageOptions(max_attempts=1))
+
+    with pytest.raises(RemoteError) as caught:
+        root.store.stat(root.key("a.bin"))
+    assert caught.value.message.startswith(f"{scheme}://bucket-x/data/a.bin: ")
+    assert "unavailable" in caught.value.message and caught.value.hint
+
+
+def test_s3_without_credentials_is_access_denied_naming_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    from servers import free_port
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # never reached
+    root = open_root("s3://bucket-x/data")
+
+    with pytest.raises(AccessDeniedError) as caught:
+        list(root.list())
+    assert "no S3 credentials" in caught.value.message
+    assert "AWS_ACCESS_KEY_ID" in (caught.value.hint or "") and "AWS_PROFILE" in (caught.value.hint or "")
+
+
+def test_gcs_without_credentials_is_access_denied_naming_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "no-such-key.json"))
+    root = open_root("gs://bucket-x/data")
+
+    with pytest.raises(AccessDeniedError) as caught:
+        root.store.stat(root.key("a.bin"))
+    assert "no GCS credentials" in caught.value.message
+    assert "gcloud auth application-default login" in (caught.value.hint or "")
+
+
+# -- the mapping functions, for what no local server produces ---------------------------------------------
+
+
+def _s3_error(status: int, code: str, message: str = "msg") -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError(
+        {"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
+
+
+def _gcs_error(status: int, message: str = "msg") -> Exception:
+    from google.api_core import exceptions
+
+    return exceptions.from_http_status(status, message)
+
+
+def _azure_error(status: int, code: str) -> Exception:
+    from azure.core.exceptions import HttpResponseError
+
+    error = HttpResponseError(message=f"{code} happened")
+    error.status_code = status
+    error.error_code = code
+    return error
+
+
+def _s3_cases() -> list[tuple[Exception, Op, type[StreamctlError], str]]:
+    from botocore.exceptions import (
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        NoCredentialsError,
+        SSOTokenLoadError,
+    )
+
+    return [
+        (_s3_error(403, "AccessDenied"), Op.READ, AccessDeniedError, "s3:GetObject"),
+        (_s3_error(403, "AccessDenied"), Op.LIST, AccessDeniedError, "s3:ListBucket"),
+        (_s3_error(403, "AccessDenied"), Op.WRITE, AccessDeniedError, "s3:PutObject"),
+        (_s3_error(403, "ExpiredToken"), Op.READ, AccessDeniedError, "AWS_PROFILE"),
+        (_s3_error(404, "NoSuchBucket"), Op.LIST, NotFoundError, "bucket"),
+        (_s3_error(404, "NoSuchKey"), Op.READ, NotFoundError, "path"),
+        (_s3_error(503, "SlowDown"), Op.WRITE, RemoteError, "AWS_ENDPOINT_URL"),
+        (_s3_error(500, "InternalError"), Op.READ, RemoteError, "network"),
+        (NoCredentialsError(), Op.READ, AccessDeniedError, "AWS_ACCESS_KEY_ID"),
+        (SSOTokenLoadError(error_msg="expired"), Op.READ, AccessDeniedError, "aws sso login"),
+        (EndpointConnectionError(endpoint_url="https://s3.example"), Op.READ, RemoteError, "endpoint"),
+        (ConnectTimeoutError(endpoint_url="https://s3.example"), Op.READ, RemoteError, "endpoint"),
+    ]
+
+
+def _gcs_cases() -> list[tuple[Exception, Op, type[StreamctlError], str]]:
+    import requests
+    from google.api_core.exceptions import RetryError
+    from google.auth.exceptions import DefaultCredentialsError, RefreshError
+    from google.cloud.storage.exceptions import DataCorruption
+
+    return [
+        (_gcs_error(403), Op.READ, AccessDeniedError, "roles/storage.objectViewer"),
+        (_gcs_error(403), Op.LIST, AccessDeniedError, "storage.objects.list"),
+        (_gcs_error(403), Op.WRITE, AccessDeniedError, "roles/storage.objectUser"),
+        (_gcs_error(401), Op.READ, AccessDeniedError, "gcloud auth application-default login"),
+        (_gcs_error(404, "The specified bucket does not exist."), Op.READ, NotFoundError, "bucket"),
+        (_gcs_error(404, "No such object: b/k"), Op.READ, NotFoundError, "path"),
+        (_gcs_error(429), Op.WRITE, RemoteError, "network"),
+        (_gcs_error(503), Op.READ, RemoteError, "network"),
+        (DefaultCredentialsError("none"), Op.READ, AccessDeniedError, "GOOGLE_APPLICATION_CREDENTIALS"),
+        (RefreshError("invalid_grant: token expired"), Op.READ, AccessDeniedError, "gcloud auth"),
+        (RetryError("deadline", cause=_gcs_error(503)), Op.READ, RemoteError, "network"),
+        (requests.exceptions.ConnectionError("refused"), Op.READ, RemoteError, "network"),
+        (DataCorruption(None, "crc32c mismatch"), Op.READ, IntegrityError, "retry"),
+    ]
+
+
+def _azure_cases() -> list[tuple[Exception, Op, type[StreamctlError], str]]:
+    from azure.core.exceptions import ClientAuthenticationError, ServiceRequestError, ServiceResponseError
+
+    class CredentialUnavailableError(ClientAuthenticationError):  # azure.identity's, matched by name
+        pass
+
+    return [
+        (
+            _azure_error(403, "AuthorizationPermissionMismatch"),
+            Op.READ,
+            AccessDeniedError,
+            "Storage Blob Data Reader",
+        ),
+        (_azure_error(403, "AuthorizationFailure"), Op.WRITE, AccessDeniedError, "Storage Blob Data Contributor"),
+        (_azure_error(403, "AuthenticationFailed"), Op.READ, AccessDeniedError, "az login"),
+        (_azure_error(404, "ContainerNotFound"), Op.READ, NotFoundError, "container"),
+        (_azure_error(404, "BlobNotFound"), Op.READ, NotFoundError, "path"),
+        (_azure_error(503, "ServerBusy"), Op.WRITE, RemoteError, "network"),
+        (CredentialUnavailableError("none"), Op.READ, AccessDeniedError, "AZURE_STORAGE_CONNECTION_STRING"),
+        (
+            ClientAuthenticationError(
+                "DefaultAzureCredential failed to retrieve a token from the included credentials"
+            ),
+            Op.READ,
+            AccessDeniedError,
+            "az login",
+        ),
+        (ServiceRequestError("connection refused"), Op.READ, RemoteError, "account name"),
+        (ServiceResponseError("read timed out"), Op.READ, RemoteError, "network"),
+    ]
+
+
+@pytest.mark.parametrize("scheme", REMOTE)
+def test_error_mapping_covers_what_servers_cannot_produce(scheme: str) -> None:
+    module = importlib.import_module(f"streamctl.storage.{BACKEND_MODULES[scheme]}")
+    cases = {"s3": _s3_cases, "gs": _gcs_cases, "az": _azure_cases}[scheme]()
+    url = f"{scheme}://bucket-x/key"
+    for error, op, expected, hint_part in cases:
+        mapped = module.map_error(error, url=url, bucket="bucket-x", op=op)
+        label = f"{type(error).__name__} {getattr(error, 'status_code', '')} -> {mapped!r}"
+        assert type(mapped) is expected, label
+        assert mapped.message.startswith(f"{url}: ") and "\n" not in mapped.message, label
+        assert hint_part in f"{mapped.message} {mapped.hint}", label
+
+
+def test_guard_translates_sdk_errors_only() -> None:
+    from streamctl.storage._errors import guard
+
+    with pytest.raises(RemoteError):
+        with guard(lambda error: RemoteError(str(error))):
+            raise ConnectionResetError("reset by peer")  # sockets raise OSError through every SDK
+    with pytest.raises(KeyError):  # a bug in our own code is not disguised as a service failure
+        with guard(lambda error: RemoteError(str(error))):
+            raise KeyError("bug")
+
+
+# -- backend configuration --------------------------------------------------------------------------------
+
+
+def test_s3_settings_from_options_and_environment() -> None:
+    from streamctl.storage.s3 import resolve_settings
+
+    env = {"AWS_ENDPOINT_URL": "http://env:9000", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+    settings = resolve_settings(StorageOptions(max_attempts=7), env)
+    assert (settings.endpoint_url, settings.addressing_style, settings.max_attempts) == ("http://env:9000", "path", 7)
+    explicit = resolve_settings(StorageOptions(endpoint_url="http://opt:1", path_style=False), env)
+    assert (explicit.endpoint_url, explicit.addressing_style) == ("http://opt:1", "virtual")
+    s3_only = resolve_settings(StorageOptions(), {"AWS_ENDPOINT_URL_S3": "http://s3only"})
+    assert s3_only.endpoint_url == "http://s3only"
+    assert resolve_settings(StorageOptions(), {}).addressing_style == "auto"
+    virtual = resolve_settings(StorageOptions(), {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "1"})
+    assert virtual.addressing_style == "virtual"
+
+
+def test_azure_auth_order_and_account_resolution() -> None:
+    from streamctl.storage.azure import choose_auth
+
+    conn = "DefaultEndpointsProtocol=https;AccountName=acct1;AccountKey=a2V5;EndpointSuffix=core.windows.net"
+    everything = {
+        "AZURE_STORAGE_CONNECTION_STRING": conn,
+        "AZURE_STORAGE_KEY": "a2V5",
+        "AZURE_STORAGE_SAS_TOKEN": "?sv=1&sig=x",
+        "AZURE_STORAGE_ACCOUNT_NAME": "acct1",
+    }
+    assert choose_auth(None, None, everything).method == "connection string"
+    assert choose_auth(None, None, {"AZURE_STORAGE_CONNECTION_STRING": conn}).account == "acct1"
+    # A connection string for another account must not redirect the upload: fall through to the key.
+    other = choose_auth("acct2", None, everything)
+    assert (other.method, other.account) == ("account key", "acct2")
+    assert choose_auth(None, "acct3", {"AZURE_STORAGE_ACCOUNT_KEY": "a2V5"}).method == "account key"
+    sas = choose_auth("acct2", None, {"AZURE_STORAGE_SAS_TOKEN": "?sv=1&sig=x"})
+    assert (sas.method, sas.secret) == ("SAS token", "sv=1&sig=x")
+    assert choose_auth("acct2", None, {}).method == "DefaultAzureCredential"
+    assert "a2V5" not in repr(choose_auth("acct2", None, {"AZURE_STORAGE_KEY": "a2V5"}))
+    with pytest.raises(UsageError) as caught:
+        choose_auth(None, None, {})
+    assert "AZURE_STORAGE_ACCOUNT_NAME" in (caught.value.hint or "")
+
+
+def test_azure_urls_and_metadata_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AZURE_STORAGE_CONNECTION_STRING", raising=False)
+    monkeypatch.setenv("AZURE_STORAGE_KEY", base64.b64encode(b"k" * 32).decode())
+    https = open_root("https://myacct.blob.core.windows.net/models/llama")
+    assert https.store.url(https.key("a.bin")) == "https://myacct.blob.core.windows.net/models/llama/a.bin"
+    assert https.store.account == "myacct"  # type: ignore[attr-defined]
+    monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_NAME", "envacct")
+    short = open_root("az://models/llama")
+    assert short.store.url(short.key("a.bin")) == "az://models/llama/a.bin"
+    assert short.store.account == "envacct"  # type: ignore[attr-defined]
+    # Azure metadata names are C# identifiers; refuse before sending rather than fail after uploading.
+    with pytest.raises(UsageError) as caught:
+        short.store.start_multipart(short.key("a.bin"), MiB, {"streamctl-sha256": "x"})
+    assert "streamctl_sha256" in (caught.value.hint or "")
+
+
+def test_storage_import_loads_no_cloud_sdk() -> None:
+    code = (
+        "import sys, streamctl.storage as s; s.parse_url('s3://bkt/k'); "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 'azure') "
+        "or m.startswith('google.cloud')); print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_storage_env_reaches_a_subprocess(any_root: str, storage_env: dict[str, str]) -> None:
+    """What CLI tests rely on: a fresh process with storage_env sees the same store as this one."""
+    root = open_root(any_root)
+    root.store.put(root.key("seen.bin"), b"12345")
+    code = (
+        "import sys; from streamctl.storage import open_location; "
+        "print([(o.key, o.size) for o in open_location(sys.argv[1]).list()])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, any_root],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **storage_env},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == repr([(root.key("seen.bin"), 5)])
+
+
+# -- URL parsing ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("s3://bucket/a/b", ParsedURL("s3", "bucket", "a/b")),
+        ("s3://bucket", ParsedURL("s3", "bucket", "")),
+        ("S3://bucket/a/", ParsedURL("s3", "bucket", "a")),
+        ("gs://bucket/models/llama", ParsedURL("gs", "bucket", "models/llama")),
+        ("gcs://bucket/x", ParsedURL("gs", "bucket", "x")),
+        ("az://container/p/q", ParsedURL("az", "container", "p/q")),
+        ("https://MyAcct.blob.core.windows.net/container/p", ParsedURL("az", "container", "p", "myacct")),
+        ("https://acct.blob.core.windows.net/container", ParsedURL("az", "container", "", "acct")),
+        ("https://acct.blob.core.windows.net/c1/a%20b", ParsedURL("az", "c1", "a b", "acct")),
+        ("file:///tmp/models", ParsedURL("file", "/tmp/models", "")),
+        ("file://localhost/tmp/models", ParsedURL("file", "/tmp/models", "")),
+        ("/tmp/models", ParsedURL("file", "/tmp/models", "")),
+        ("./relative/dir", ParsedURL("file", "./relative/dir", "")),
+    ],
+)
+def test_parse_url_accepts(url: str, expected: ParsedURL) -> None:
+    parsed = parse_url(url)
+    assert (parsed.scheme, parsed.bucket, parsed.prefix, parsed.account) == (
+        expected.scheme,
+        expected.bucket,
+        expected.prefix,
+        expected.account,
+    )
+    assert parsed.is_remote == (expected.scheme != "file")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "",
+        "   ",
+        "s3://",
+        "s3:///key",
+        "ftp://host/path",
+        "https://example.com/bucket/key",
+        "s3://-bad/key",
+        "s3://bucket/a/../b",
+        "gs://bucket/a//b",
+        "az://container/./x",
+        "https://acct.blob.core.windows.net/",
+        "file://",
+        "file://models/x",  # a host, not a path: would silently mean /x
+    ],
+)
+def test_parse_url_rejects(url: str) -> None:
+    with pytest.raises(UsageError):
+        parse_url(url)
+
+
+def test_parse_url_refuses_a_sas_url_without_echoing_the_token() -> None:
+    with pytest.raises(UsageError) as caught:
+        parse_url("https://acct.blob.core.windows.net/container/prefix?sv=2024-01-01&sig=SECRET%2Fx")
+    assert "SECRET" not in caught.value.message and "AZURE_STORAGE_SAS_TOKEN" in (caught.value.hint or "")
