@@ -7,7 +7,7 @@ complete -c streamctl -n '__fish_use_subcommand' -l help -o h -d 'Show help and 
 complete -c streamctl -n '__fish_use_subcommand' -a transfer -d 'Copy a model into a bucket: parallel, bounded memory, resumable, sha256-verified end to end'
 complete -c streamctl -n '__fish_use_subcommand' -a verify-index -d 'Check a checkpoint index against the safetensors shard headers, locally or in a bucket'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l revision -r -F -d 'Branch, tag or commit (resolved to one commit)'
-complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l repo-type -x -a 'model dataset' -d 'Hugging Face repo type'
+complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l repo-type -x -a 'model dataset' -d 'Hugging Face repo type [default: model]'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l include -r -F -d 'Also copy matching files (repeatable)'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l exclude -r -F -d 'Leave out matching files (repeatable)'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l all-files -d 'Copy every file, not just what vLLM needs'

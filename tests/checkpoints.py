@@ -6,6 +6,7 @@ and the object-store tests. Corruption helpers rewrite one object through the sa
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import struct
@@ -80,7 +81,9 @@ class Checkpoint:
 # Tensor lists
 
 
-def llama_tensors(layers: int = 2, *, hidden: int = 8, intermediate: int = 16, vocab: int = 32, dtype: str = "BF16") -> list[TensorSpec]:
+def llama_tensors(
+    layers: int = 2, *, hidden: int = 8, intermediate: int = 16, vocab: int = 32, dtype: str = "BF16"
+) -> list[TensorSpec]:
     """HF names and shapes of a tiny Llama (one KV head, head_dim = hidden / 2)."""
     head_dim = hidden // 2
     specs = [TensorSpec("model.embed_tokens.weight", dtype, (vocab, hidden))]
@@ -106,11 +109,19 @@ def stage_layers(layers: int, pp: int) -> list[range]:
     remainder = layers % pp
     counts = [layers // pp + (1 if pp - 1 - remainder <= stage < pp - 1 else 0) for stage in range(pp)]
     starts = [sum(counts[:stage]) for stage in range(pp)]
-    return [range(start, start + count) for start, count in zip(starts, counts)]
+    return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
 
 
 def vllm_rank_tensors(
-    layers: int, *, tp_rank: int, tp: int, pp_rank: int = 0, pp: int = 1, hidden: int = 8, intermediate: int = 16, vocab: int = 64
+    layers: int,
+    *,
+    tp_rank: int,
+    tp: int,
+    pp_rank: int = 0,
+    pp: int = 1,
+    hidden: int = 8,
+    intermediate: int = 16,
+    vocab: int = 64,
 ) -> list[TensorSpec]:
     """vLLM's own names and per-rank shapes for one TP rank of one pipeline stage (Llama, 2 heads, 1 KV head)."""
     del tp_rank  # every rank of a stage has the same names and shapes; kept for readable call sites
@@ -133,7 +144,10 @@ def vllm_rank_tensors(
             TensorSpec(f"{prefix}.mlp.down_proj.weight", dtype, (hidden, intermediate // tp)),
         ]
     if pp_rank == pp - 1:
-        specs += [TensorSpec("model.norm.weight", dtype, (hidden,)), TensorSpec("lm_head.weight", dtype, (vocab // tp, hidden))]
+        specs += [
+            TensorSpec("model.norm.weight", dtype, (hidden,)),
+            TensorSpec("lm_head.weight", dtype, (vocab // tp, hidden)),
+        ]
     return specs
 
 
@@ -168,7 +182,9 @@ def write_tensor_file(
     return put_bytes(location, name, data)
 
 
-def write_serving_files(location: Location, *, config: bool = True, tokenizer: bool = True, extra_config: Mapping[str, Any] | None = None) -> None:
+def write_serving_files(
+    location: Location, *, config: bool = True, tokenizer: bool = True, extra_config: Mapping[str, Any] | None = None
+) -> None:
     if config:
         put_json(location, "config.json", {**LLAMA_CONFIG, **(extra_config or {})})
         put_json(location, "generation_config.json", GENERATION_CONFIG)
@@ -296,7 +312,8 @@ class CountingStore:
     """Wraps any Store and counts ranged reads and their bytes (thread-safe)."""
 
     inner: Store
-    reads: list[tuple[str, int, int]] = field(default_factory=list)  # (key, start, bytes returned)
+    # (key, start, bytes returned); `builtins.list` because the Store method `list` shadows it in here
+    reads: builtins.list[tuple[str, int, int]] = field(default_factory=builtins.list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __getattr__(self, name: str) -> Any:
@@ -311,7 +328,7 @@ class CountingStore:
             self.reads.append((key, start, len(data)))
         return data
 
-    def reads_of(self, key: str) -> list[tuple[str, int, int]]:
+    def reads_of(self, key: str) -> builtins.list[tuple[str, int, int]]:
         return [read for read in self.reads if read[0] == key]
 
     @property
@@ -322,4 +339,3 @@ class CountingStore:
 def counting(location: Location) -> tuple[Location, CountingStore]:
     store = CountingStore(location.store)
     return Location(store, location.prefix), store  # type: ignore[arg-type]
-

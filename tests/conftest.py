@@ -89,7 +89,8 @@ def _server(servers: StorageServers, backend: str) -> S3Server | GCSServer | Azu
     try:
         return servers.get(backend)
     except ServerUnavailable as error:
-        pytest.fail(str(error), pytrace=False)
+        message = str(error)
+    pytest.fail(message, pytrace=False)  # outside `except`: one clean message, no chained traceback
 
 
 @pytest.fixture

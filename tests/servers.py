@@ -312,7 +312,7 @@ def start_azurite(workdir: Path) -> AzureServer:
     if binary is None:
         raise ServerUnavailable(
             "Azurite not found: set STREAMCTL_AZURITE to the azurite-blob binary, put azurite-blob on PATH, "
-            f"or install it to {AZURITE_CACHE_BIN.parents[2]} with `npm install azurite@3.35.0`"
+            f"or run `source .ci/setup` (npm install --prefix {AZURITE_CACHE_BIN.parents[2]} azurite@3.35.0)"
         )
     # No --location: Azurite 3.35 refuses it together with --inMemoryPersistence (it writes nothing then;
     # the working directory is the server's own folder anyway).

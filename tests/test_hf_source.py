@@ -151,7 +151,7 @@ def test_list_follows_pagination_sorted_with_hub_checksums(fake_hub: FakeHub, mo
     assert weights.metadata == {"sha256": hashlib.sha256(WEIGHTS).hexdigest()}
     assert weights.etag == hashlib.sha256(WEIGHTS).hexdigest()
     config = by_key["config.json"]
-    assert config.metadata == {"git-sha1": git_blob_sha1(CONFIG)}
+    assert config.metadata == {"gitsha1": git_blob_sha1(CONFIG)}
     assert (config.size, config.etag) == (len(CONFIG), git_blob_sha1(CONFIG))
     assert fake_hub.count("/tree/", role="hub") == 3
     assert [i.key for i in store.list("tok")] == ["tokenizer/tokenizer.json", "tokenizer/vocab.txt"]
@@ -171,7 +171,7 @@ def test_location_in_a_subfolder_lists_only_that_folder(fake_hub: FakeHub, model
 def test_stat_without_a_listing_asks_paths_info(fake_hub: FakeHub, model: FakeRepo) -> None:
     store = store_of("hf://org/model")
     assert store.stat("model.safetensors").metadata["sha256"] == hashlib.sha256(WEIGHTS).hexdigest()
-    assert store.stat("tokenizer/vocab.txt").metadata["git-sha1"] == git_blob_sha1(b"a\nb\n")
+    assert store.stat("tokenizer/vocab.txt").metadata["gitsha1"] == git_blob_sha1(b"a\nb\n")
     assert fake_hub.count("/paths-info/") == 2
     with pytest.raises(NotFoundError):
         store.stat("missing.bin")

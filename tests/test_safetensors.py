@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from checkpoints import CountingStore
 from streamctl.errors import UsageError
 from streamctl.safetensors import (
@@ -129,12 +128,17 @@ def test_rule4_json_that_is_not_an_object_is_an_error(raw: bytes) -> None:
 
 
 def test_rule4_trailing_space_padding_is_fine() -> None:
-    assert codes(file_from_header(None, raw=b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}  \t\n\r', data=b"x")) == []
+    assert (
+        codes(file_from_header(None, raw=b'{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}  \t\n\r', data=b"x"))
+        == []
+    )
 
 
 def test_rule4_leading_whitespace_is_a_warning_not_an_error() -> None:
     parsed = parse_safetensors_bytes(file_from_header(None, raw=b"\n  {}"))
-    assert [(problem.code, problem.severity) for problem in parsed.problems] == [("header-leading-whitespace", "warning")]
+    assert [(problem.code, problem.severity) for problem in parsed.problems] == [
+        ("header-leading-whitespace", "warning")
+    ]
 
 
 @pytest.mark.parametrize("depth", [65, 100_000])
@@ -154,7 +158,9 @@ def test_rule4_a_container_flood_is_refused_before_parsing() -> None:
 
 
 def test_rule4_absurdly_long_numbers_are_out_of_range_not_a_crash() -> None:
-    data = file_from_header(None, raw=b'{"a":{"dtype":"U8","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,1]}}', data=b"x")
+    data = file_from_header(
+        None, raw=b'{"a":{"dtype":"U8","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,1]}}', data=b"x"
+    )
     assert codes(data) == ["bad-shape"]
 
 
@@ -212,17 +218,19 @@ def test_rule6_duplicates_are_seen_at_any_depth() -> None:
 
 
 def test_rule7_the_dtype_table_matches_the_spec() -> None:
-    assert DTYPE_BITS == {
+    assert {
         **dict.fromkeys(["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"], 8),
         **dict.fromkeys(["F6_E2M3", "F6_E3M2"], 6),
         "F4": 4,
         **dict.fromkeys(["I16", "U16", "F16", "BF16"], 16),
         **dict.fromkeys(["I32", "U32", "F32"], 32),
         **dict.fromkeys(["I64", "U64", "F64", "C64"], 64),
-    }
+    } == DTYPE_BITS
 
 
-@pytest.mark.parametrize("dtype, shape, nbytes", [("F4", [2], 1), ("F6_E2M3", [4], 3), ("C64", [1], 8), ("BOOL", [3], 3)])
+@pytest.mark.parametrize(
+    "dtype, shape, nbytes", [("F4", [2], 1), ("F6_E2M3", [4], 3), ("C64", [1], 8), ("BOOL", [3], 3)]
+)
 def test_rule7_each_dtype_uses_its_bit_size(dtype: str, shape: list[int], nbytes: int) -> None:
     assert codes(file_from_header({"t": entry(dtype, shape, 0, nbytes)}, bytes(nbytes))) == []
 

@@ -222,6 +222,8 @@ def test_multipart_parallel_out_of_order_is_invisible_until_complete(any_root: s
     assert names_under(root) == ["big/model-00001.safetensors"]
     if parse_url(any_root).scheme != "file" or xattrs_supported(any_root):
         assert stat.metadata.get("streamctl_sha256") == "cafe"
+    upload.abort()  # a late abort (say, from a cleanup path) must not undo a completed upload
+    assert root.store.stat(key).size == len(expected)
 
 
 def test_multipart_abort_leaves_nothing_and_keeps_an_older_object(any_root: str) -> None:

@@ -13,13 +13,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-
 from checkpoints import (
     INDEX_NAME,
     TensorSpec,
     counting,
     delete_object,
-    header_of,
     llama_tensors,
     put_bytes,
     put_json,
@@ -104,9 +102,13 @@ def test_a_single_model_safetensors_without_index_verifies(location: Location) -
 
 def test_a_mistral_consolidated_index_is_picked_up(location: Location) -> None:
     specs = llama_tensors(1)
-    for position, name in enumerate(["consolidated-00001-of-00002.safetensors", "consolidated-00002-of-00002.safetensors"]):
+    for position, name in enumerate(
+        ["consolidated-00001-of-00002.safetensors", "consolidated-00002-of-00002.safetensors"]
+    ):
         write_tensor_file(location, name, specs[position::2])
-    weight_map = {spec.name: f"consolidated-0000{1 + position % 2}-of-00002.safetensors" for position, spec in enumerate(specs)}
+    weight_map = {
+        spec.name: f"consolidated-0000{1 + position % 2}-of-00002.safetensors" for position, spec in enumerate(specs)
+    }
     write_index(location, weight_map, sum(spec.nbytes for spec in specs), name="consolidated.safetensors.index.json")
     put_json(location, "params.json", {"dim": 8, "n_layers": 1})  # Mistral format: params.json, no config.json
     put_json(location, "tekken.json", {"config": {}})
@@ -120,7 +122,13 @@ def test_report_json_has_the_documented_shape(location: Location) -> None:
     assert set(document) == {"ok", "checkpoint", "layout", "findings", "stats"}
     assert document["ok"] is False and document["layout"] == "indexed"
     assert document["findings"] == [
-        {"severity": "error", "code": "config-missing", "file": None, "tensor": None, "message": document["findings"][0]["message"]}
+        {
+            "severity": "error",
+            "code": "config-missing",
+            "file": None,
+            "tensor": None,
+            "message": document["findings"][0]["message"],
+        }
     ]
     assert set(document["stats"]) == {"files", "tensors", "total_bytes", "bytes_read", "requests", "seconds"}
     json.dumps(document)  # serializable as is
@@ -164,7 +172,9 @@ class FlakyStore:
 
 def test_an_object_gone_between_listing_and_reading_is_a_finding(location: Location) -> None:
     write_hf_checkpoint(location)
-    flaky = FlakyStore(location.store, {location.key(SHARD_2): NotFoundError("gone"), location.key(INDEX_NAME): NotFoundError("gone")})
+    flaky = FlakyStore(
+        location.store, {location.key(SHARD_2): NotFoundError("gone"), location.key(INDEX_NAME): NotFoundError("gone")}
+    )
     report = verify_checkpoint(Location(flaky, location.prefix))  # type: ignore[arg-type]
     assert findings_of(report, "object-vanished") == [(SHARD_2, None), (INDEX_NAME, None)]
     assert error_codes(report) == ["object-vanished"]
@@ -195,7 +205,16 @@ def test_a_broken_header_is_reported_against_its_shard_on_any_store(remote_or_lo
     [
         (lambda loc: truncate_object(loc, SHARD_1, 2), "file-truncated"),
         (lambda loc: put_bytes(loc, SHARD_1, read_object(loc, SHARD_1) + b"\0"), "file-trailing-bytes"),
-        (lambda loc: rewrite_header(loc, SHARD_1, lambda h: h["lm_head.weight" if "lm_head.weight" in h else "model.embed_tokens.weight"].update(dtype="F99")), "unknown-dtype"),
+        (
+            lambda loc: rewrite_header(
+                loc,
+                SHARD_1,
+                lambda h: h["lm_head.weight" if "lm_head.weight" in h else "model.embed_tokens.weight"].update(
+                    dtype="F99"
+                ),
+            ),
+            "unknown-dtype",
+        ),
         (lambda loc: put_bytes(loc, SHARD_1, b"12345"), "file-too-small"),
     ],
     ids=["truncated", "trailing", "dtype", "tiny"],
@@ -282,7 +301,11 @@ def test_tensor_mapped_to_the_wrong_shard(location: Location) -> None:
 
 def test_tensor_in_two_shards(location: Location) -> None:
     checkpoint = write_hf_checkpoint(location)
-    write_tensor_file(location, SHARD_2, [*checkpoint.tensors_by_file[SHARD_2], TensorSpec("model.embed_tokens.weight", "BF16", (32, 8))])
+    write_tensor_file(
+        location,
+        SHARD_2,
+        [*checkpoint.tensors_by_file[SHARD_2], TensorSpec("model.embed_tokens.weight", "BF16", (32, 8))],
+    )
     report = run(location)
     assert findings_of(report, "tensor-in-two-shards") == [(SHARD_2, "model.embed_tokens.weight")]
     assert error_codes(report) == ["tensor-in-two-shards"]
@@ -292,14 +315,25 @@ def test_tensor_in_two_shards(location: Location) -> None:
 def test_a_tensor_twice_in_the_weight_map(location: Location) -> None:
     write_hf_checkpoint(location)
     text = read_object(location, INDEX_NAME).decode()
-    put_bytes(location, INDEX_NAME, text.replace('"weight_map": {', f'"weight_map": {{\n    "lm_head.weight": "{SHARD_2}",', 1).encode())
+    put_bytes(
+        location,
+        INDEX_NAME,
+        text.replace('"weight_map": {', f'"weight_map": {{\n    "lm_head.weight": "{SHARD_2}",', 1).encode(),
+    )
     report = run(location)
     assert findings_of(report, "index-duplicate-tensor") == [(INDEX_NAME, "lm_head.weight")]
     assert error_codes(report) == ["index-duplicate-tensor"]
 
 
 @pytest.mark.parametrize(
-    "shard", ["../model-00001-of-00002.safetensors", "/abs/model.safetensors", "sub\\model.safetensors", "original/model.safetensors", ""]
+    "shard",
+    [
+        "../model-00001-of-00002.safetensors",
+        "/abs/model.safetensors",
+        "sub\\model.safetensors",
+        "original/model.safetensors",
+        "",
+    ],
 )
 def test_unsafe_shard_names_in_the_index(location: Location, shard: str) -> None:
     write_hf_checkpoint(location)
@@ -363,7 +397,9 @@ def test_a_leftover_single_file_duplicates_every_tensor(location: Location) -> N
 
 def test_consolidated_next_to_hf_shards(location: Location) -> None:
     write_hf_checkpoint(location)
-    write_tensor_file(location, "consolidated.safetensors", [TensorSpec("layers.0.attention.wq.weight", "BF16", (8, 8))])
+    write_tensor_file(
+        location, "consolidated.safetensors", [TensorSpec("layers.0.attention.wq.weight", "BF16", (8, 8))]
+    )
     report = run(location)
     assert error_codes(report) == ["consolidated-mixed", "unindexed-safetensors"]
     assert findings_of(report, "consolidated-mixed") == [("consolidated.safetensors", None)]
@@ -525,7 +561,10 @@ def test_empty_part_file(location: Location) -> None:
 
 def test_tensor_twice_within_one_rank(location: Location) -> None:
     checkpoint = write_sharded_checkpoint(location, tp=1, parts=2)
-    part0, part1 = checkpoint.tensors_by_file["model-rank-0-part-0.safetensors"], checkpoint.tensors_by_file["model-rank-0-part-1.safetensors"]
+    part0, part1 = (
+        checkpoint.tensors_by_file["model-rank-0-part-0.safetensors"],
+        checkpoint.tensors_by_file["model-rank-0-part-1.safetensors"],
+    )
     write_tensor_file(location, "model-rank-0-part-1.safetensors", [*part1, part0[0]])
     report = run(location)
     assert findings_of(report, "sharded-duplicate-tensor") == [("model-rank-0-part-1.safetensors", part0[0].name)]
@@ -534,9 +573,13 @@ def test_tensor_twice_within_one_rank(location: Location) -> None:
 
 def test_tp_ranks_with_different_tensor_names(location: Location) -> None:
     write_sharded_checkpoint(location, tp=2, parts=1, layers=1)
-    rewrite_header(location, "model-rank-1-part-0.safetensors", lambda header: header.update(
-        {"model.layers.0.self_attn.attn._k_scale_renamed": header.pop("model.layers.0.self_attn.attn._k_scale")}
-    ))
+    rewrite_header(
+        location,
+        "model-rank-1-part-0.safetensors",
+        lambda header: header.update(
+            {"model.layers.0.self_attn.attn._k_scale_renamed": header.pop("model.layers.0.self_attn.attn._k_scale")}
+        ),
+    )
     report = run(location)
     assert findings_of(report, "sharded-rank-mismatch") == [
         ("model-rank-0-part-*.safetensors", "model.layers.0.self_attn.attn._k_scale_renamed"),
@@ -546,7 +589,11 @@ def test_tp_ranks_with_different_tensor_names(location: Location) -> None:
 
 def test_tp_ranks_with_different_dtypes_warn(location: Location) -> None:
     write_sharded_checkpoint(location, tp=2, parts=1, layers=1)
-    rewrite_header(location, "model-rank-1-part-0.safetensors", lambda header: header["model.layers.0.self_attn.attn._k_scale"].update(dtype="I32"))
+    rewrite_header(
+        location,
+        "model-rank-1-part-0.safetensors",
+        lambda header: header["model.layers.0.self_attn.attn._k_scale"].update(dtype="I32"),
+    )
     report = run(location)
     assert report.ok and findings_of(report, "sharded-dtype-mismatch") == [
         ("model-rank-0-part-*.safetensors", "model.layers.0.self_attn.attn._k_scale")
@@ -669,6 +716,7 @@ def test_progress_has_one_task_advanced_per_shard(location: Location) -> None:
 
 def test_bad_options_are_usage_errors(location: Location) -> None:
     write_single_file_checkpoint(location)
-    for options in [{"concurrency": 0}, {"tensor_parallel_size": 0}, {"index_name": " "}]:
+    bad: list[dict[str, Any]] = [{"concurrency": 0}, {"tensor_parallel_size": 0}, {"index_name": " "}]
+    for options in bad:
         with pytest.raises(UsageError):
             run(location, **options)

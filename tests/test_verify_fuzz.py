@@ -10,10 +10,9 @@ import struct
 from typing import Any
 
 import pytest
+from checkpoints import INDEX_NAME, LLAMA_CONFIG, put_bytes, write_serving_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from checkpoints import INDEX_NAME, LLAMA_CONFIG, put_bytes, write_serving_files
 from streamctl import verify as verify_module
 from streamctl.errors import StreamctlError
 from streamctl.safetensors import parse_safetensors_bytes, safetensors_bytes
@@ -35,7 +34,9 @@ BASE_HEADER: dict[str, Any] = json.loads(BASE_FILE[8 : 8 + BASE_LENGTH])
 BASE_DATA = BASE_FILE[8 + BASE_LENGTH :]
 TENSOR_NAMES = [name for name, _, _, _ in BASE_TENSORS]
 
-EDGE_INTS = st.sampled_from([0, 1, 2, 7, 8, 16, 2**31, 2**32, 2**53 + 1, 2**63, 2**64 - 1, 2**64, 10**40, -1, -(2**63), 100_000_001])
+EDGE_INTS = st.sampled_from(
+    [0, 1, 2, 7, 8, 16, 2**31, 2**32, 2**53 + 1, 2**63, 2**64 - 1, 2**64, 10**40, -1, -(2**63), 100_000_001]
+)
 INTS = EDGE_INTS | st.integers(min_value=-100, max_value=200)
 JSON_SCALARS = st.none() | st.booleans() | INTS | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
 JSON_VALUES = st.recursive(
@@ -56,11 +57,34 @@ def mutated_files(draw: st.DrawFn) -> bytes:
     header = copy.deepcopy(BASE_HEADER)
     kind = draw(
         st.sampled_from(
-            ["field", "offsets", "shift", "bools", "shape", "metadata", "random-json", "random-bytes", "invalid-utf8", "deep", "flip", "surrogate", "duplicate", "whitespace"]
+            [
+                "field",
+                "offsets",
+                "shift",
+                "gap",
+                "bools",
+                "shape",
+                "metadata",
+                "random-json",
+                "random-bytes",
+                "invalid-utf8",
+                "deep",
+                "flip",
+                "surrogate",
+                "duplicate",
+                "whitespace",
+            ]
         )
     )
     raw: bytes
-    if kind == "field":
+    padding = b""
+    if kind == "gap":  # a gap before the last tensor, the data grown to match: only rule 8 is broken
+        last = max(TENSOR_NAMES, key=lambda name: header[name]["data_offsets"])
+        delta = draw(st.integers(1, 3))
+        header[last]["data_offsets"] = [offset + delta for offset in header[last]["data_offsets"]]
+        padding = bytes(delta)
+        raw = encode(header)
+    elif kind == "field":
         name = draw(st.sampled_from(TENSOR_NAMES))
         header[name][draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]))] = draw(JSON_VALUES)
         if draw(st.booleans()):
@@ -101,23 +125,29 @@ def mutated_files(draw: st.DrawFn) -> bytes:
         closed = draw(st.booleans())
         raw = b'{"t":' + opener * depth + b"1" + (closer * depth if closed else b"") + b"}"
     elif kind == "flip":
-        raw = bytearray(encode(header))
+        flipped = bytearray(encode(header))
         for _ in range(draw(st.integers(1, 8))):
-            raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
-        raw = bytes(raw)
+            flipped[draw(st.integers(0, len(flipped) - 1))] = draw(st.integers(0, 255))
+        raw = bytes(flipped)
     elif kind == "surrogate":
-        raw = encode(header).replace(b'"model.norm.weight"', b'"\\ud800"', 1).replace(b'"pt"', draw(st.sampled_from([b'"\\udfff"', b'"\\ud83d\\ude00"'])), 1)
+        raw = (
+            encode(header)
+            .replace(b'"model.norm.weight"', b'"\\ud800"', 1)
+            .replace(b'"pt"', draw(st.sampled_from([b'"\\udfff"', b'"\\ud83d\\ude00"'])), 1)
+        )
     elif kind == "duplicate":
         text = encode(header)
         position = text.index(b'"lm_head.weight"')
         raw = text[:position] + text[position : text.index(b"}", position) + 1] + b"," + text[position:]
     else:  # whitespace around the object, and padding the length field does or doesn't cover
-        raw = draw(st.sampled_from([b" ", b"\n\t", b""])) + encode(header) + draw(st.sampled_from([b"", b"   ", b"\0\0"]))
+        raw = (
+            draw(st.sampled_from([b" ", b"\n\t", b""])) + encode(header) + draw(st.sampled_from([b"", b"   ", b"\0\0"]))
+        )
 
     length = len(raw)
     if draw(st.integers(0, 4)) == 0:
         length = draw(EDGE_INTS.filter(lambda value: 0 <= value < 2**64) | st.integers(0, 2**64 - 1))
-    data = BASE_DATA
+    data = BASE_DATA + padding
     change = draw(st.integers(-4, 4)) if draw(st.integers(0, 3)) == 0 else 0  # mostly keep the size right
     if change < 0:
         data = data[:change]
@@ -182,7 +212,9 @@ def oracle_accepts(data: bytes) -> bool:
         for name, entry in header.items():
             name.encode("utf-8")  # UnicodeEncodeError (a ValueError) on lone surrogates
             if name == "__metadata__":
-                if entry is not None and not (isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())):
+                if entry is not None and not (
+                    isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+                ):
                     raise _Invalid
                 for key, item in (entry or {}).items():
                     key.encode("utf-8"), item.encode("utf-8")
@@ -190,11 +222,22 @@ def oracle_accepts(data: bytes) -> bool:
             if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
                 raise _Invalid
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-            bits = {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}.get(dtype) or (
-                8 if dtype in ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ") else
-                16 if dtype in ("I16", "U16", "F16", "BF16") else 32 if dtype in ("I32", "U32", "F32") else
-                64 if dtype in ("I64", "U64", "F64", "C64") else 0
-            ) if isinstance(dtype, str) else 0
+            bits = (
+                {"F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}.get(dtype)
+                or (
+                    8
+                    if dtype in ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ")
+                    else 16
+                    if dtype in ("I16", "U16", "F16", "BF16")
+                    else 32
+                    if dtype in ("I32", "U32", "F32")
+                    else 64
+                    if dtype in ("I64", "U64", "F64", "C64")
+                    else 0
+                )
+                if isinstance(dtype, str)
+                else 0
+            )
             if not bits or not isinstance(shape, list) or not all(map(_u64, shape)):
                 raise _Invalid
             if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_u64, offsets)):
@@ -255,9 +298,9 @@ def fuzz_location(tmp_path_factory: pytest.TempPathFactory) -> Location:
     return location
 
 
-def verify_or_streamctl_error(location: Location, options: VerifyOptions = VerifyOptions()) -> VerifyReport | None:
+def verify_or_streamctl_error(location: Location, options: VerifyOptions | None = None) -> VerifyReport | None:
     try:
-        report = verify_checkpoint(location, options)
+        report = verify_checkpoint(location, options or VerifyOptions())
     except StreamctlError:
         return None
     check_report(report)
@@ -278,9 +321,12 @@ def test_verify_returns_findings_for_any_damaged_shard(fuzz_location: Location, 
 @given(
     index=st.one_of(
         JSON_VALUES.map(lambda value: json.dumps(value).encode()),
-        st.dictionaries(st.text(max_size=30), st.sampled_from(["model.safetensors", "../x.safetensors", "/x", "a\\b", "", "x.bin"]) | st.text(max_size=10), max_size=6).map(
-            lambda weight_map: json.dumps({"metadata": {"total_size": 34}, "weight_map": weight_map}).encode()
-        ),
+        st.dictionaries(
+            st.text(max_size=30),
+            st.sampled_from(["model.safetensors", "../x.safetensors", "/x", "a\\b", "", "x.bin"])
+            | st.text(max_size=10),
+            max_size=6,
+        ).map(lambda weight_map: json.dumps({"metadata": {"total_size": 34}, "weight_map": weight_map}).encode()),
         st.binary(max_size=200),
     )
 )
@@ -298,9 +344,13 @@ NAME_TEXT = st.text(alphabet="model-rankpt0123456789.safetensors_{}", max_size=4
 
 
 @settings(max_examples=300, deadline=None)
-@given(names=st.lists(NAME_TEXT | st.sampled_from(["model-rank-0-part-0.safetensors", "model-pp-1-tp-0-part-00.safetensors"]), max_size=8))
+@given(
+    names=st.lists(
+        NAME_TEXT | st.sampled_from(["model-rank-0-part-0.safetensors", "model-pp-1-tp-0-part-00.safetensors"]),
+        max_size=8,
+    )
+)
 def test_sharded_name_matching_never_raises(names: list[str]) -> None:
     for pattern in (DEFAULT_PATTERN, DEFAULT_PP_PATTERN):
         for (pp_rank, tp_rank), parts in match_sharded(pattern, names).items():
             assert pp_rank >= 0 and tp_rank >= 0 and parts == sorted(parts)
-

@@ -154,7 +154,7 @@ def decode_header_length(prefix: bytes) -> int:
     """Rule 1: N, the unsigned 64-bit little-endian integer in bytes 0..8. `prefix` must hold 8 bytes."""
     if len(prefix) < HEADER_LENGTH_BYTES:
         raise ValueError("need 8 bytes to decode a safetensors header length")
-    return struct.unpack("<Q", prefix[:HEADER_LENGTH_BYTES])[0]
+    return int.from_bytes(prefix[:HEADER_LENGTH_BYTES], "little")
 
 
 def check_header_length(header_length: int, object_size: int) -> HeaderProblem | None:
@@ -201,7 +201,9 @@ def _json_complexity_problem(text: str, max_depth: int, what: str) -> HeaderProb
             depth -= 1
     # Only large documents can cost much memory; small ones (config.json) may legitimately be dense.
     if len(text) > _FLOOD_CHECK_FROM_CHARS and containers > len(text) // _MIN_BYTES_PER_CONTAINER:
-        return _error("header-too-complex", f"{what} JSON has {containers:,} arrays/objects in {len(text):,} characters")
+        return _error(
+            "header-too-complex", f"{what} JSON has {containers:,} arrays/objects in {len(text):,} characters"
+        )
     return None
 
 
@@ -230,7 +232,9 @@ def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: 
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        return JsonDocument(None, _error("header-not-utf8", f"{what} is not UTF-8 ({error.reason} at byte {error.start})"))
+        return JsonDocument(
+            None, _error("header-not-utf8", f"{what} is not UTF-8 ({error.reason} at byte {error.start})")
+        )
     complexity = _json_complexity_problem(text, max_depth, what)
     if complexity is not None:
         return JsonDocument(None, complexity)
@@ -245,9 +249,7 @@ def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: 
         return result
 
     try:
-        value = json.loads(
-            text, object_pairs_hook=collect_pairs, parse_constant=_reject_constant, parse_int=_parse_int
-        )
+        value = json.loads(text, object_pairs_hook=collect_pairs, parse_constant=_reject_constant, parse_int=_parse_int)
     except RecursionError:
         return JsonDocument(None, _error("header-too-complex", f"{what} JSON is nested too deeply"))
     except ValueError as error:  # JSONDecodeError, NaN/Infinity
@@ -280,7 +282,10 @@ def _check_metadata(value: Any) -> tuple[Mapping[str, str] | None, list[HeaderPr
     bad = [key for key, item in value.items() if not isinstance(item, str)]
     if bad:
         return None, [
-            _error("bad-metadata", f"__metadata__ values must be strings; {printable(bad[0])!r} is {type(value[bad[0]]).__name__}")
+            _error(
+                "bad-metadata",
+                f"__metadata__ values must be strings; {printable(bad[0])!r} is {type(value[bad[0]]).__name__}",
+            )
         ]
     if any(_has_lone_surrogate(key) or _has_lone_surrogate(item) for key, item in value.items()):
         return None, [_error("bad-metadata", "__metadata__ holds a lone UTF-16 surrogate, which is not valid UTF-8")]
@@ -319,7 +324,9 @@ def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, _Span | None
         span = _Span(name, offsets[0], offsets[1])
     else:
         problems.append(
-            _error("bad-offsets", f"data_offsets must be [begin, end], integers 0..2**64-1, got {offsets!r}"[:200], shown)
+            _error(
+                "bad-offsets", f"data_offsets must be [begin, end], integers 0..2**64-1, got {offsets!r}"[:200], shown
+            )
         )
     valid = span is not None
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
@@ -331,6 +338,11 @@ def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, _Span | None
     if not valid or span is None:
         return None, span, problems
     return TensorInfo(name, dtype, tuple(shape), span.begin, span.end), span, problems
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    text = str(list(shape))
+    return text if len(text) <= 100 else text[:97] + "..."  # a hostile shape may have millions of dims
 
 
 def tensor_nbits(dtype: str, shape: Sequence[int]) -> int | None:
@@ -353,7 +365,9 @@ def _check_sizes(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
         shown = printable(tensor.name)
         nbits = tensor_nbits(tensor.dtype, tensor.shape)
         if nbits is None:
-            problems.append(_error("size-overflow", f"shape {list(tensor.shape)} overflows 64-bit arithmetic"[:200], shown))
+            problems.append(
+                _error("size-overflow", f"shape {_shape_text(tensor.shape)} overflows 64-bit arithmetic", shown)
+            )
         elif nbits % 8:
             problems.append(
                 _error("size-not-whole-bytes", f"{nbits} bits of {tensor.dtype} is not a whole number of bytes", shown)
@@ -362,7 +376,8 @@ def _check_sizes(tensors: Sequence[TensorInfo]) -> list[HeaderProblem]:
             problems.append(
                 _error(
                     "size-mismatch",
-                    f"{tensor.dtype} {list(tensor.shape)} needs {nbits // 8:,} bytes but data_offsets span {tensor.nbytes:,}"[:300],
+                    f"{tensor.dtype} {_shape_text(tensor.shape)} needs {nbits // 8:,} bytes "
+                    f"but data_offsets span {tensor.nbytes:,}",
                     shown,
                 )
             )
@@ -380,11 +395,19 @@ def _check_contiguity(spans: Sequence[_Span]) -> list[HeaderProblem]:
             continue
         if span.begin > expected_begin:
             problems.append(
-                _error("offsets-gap", f"data starts at {span.begin:,}; the previous tensor ends at {expected_begin:,}", shown)
+                _error(
+                    "offsets-gap",
+                    f"data starts at {span.begin:,}; the previous tensor ends at {expected_begin:,}",
+                    shown,
+                )
             )
         elif span.begin < expected_begin:
             problems.append(
-                _error("offsets-overlap", f"data starts at {span.begin:,}, inside the previous tensor (ends {expected_begin:,})", shown)
+                _error(
+                    "offsets-overlap",
+                    f"data starts at {span.begin:,}, inside the previous tensor (ends {expected_begin:,})",
+                    shown,
+                )
             )
         expected_begin = max(expected_begin, span.end)
     return problems
@@ -413,7 +436,9 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
         )
     for owner, key in document.duplicate_keys:
         if owner is document.value and key != METADATA_KEY:
-            problems.append(_error("duplicate-tensor", "tensor appears twice in the header; readers keep the last", printable(key)))
+            problems.append(
+                _error("duplicate-tensor", "tensor appears twice in the header; readers keep the last", printable(key))
+            )
         else:
             problems.append(_error("duplicate-key", f"key {printable(key)!r} appears twice in one JSON object"))
 
@@ -449,7 +474,8 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
             problems.append(
                 _error(
                     "file-trailing-bytes",
-                    f"the object has {object_size - expected:,} bytes after the last tensor ({object_size:,} > {expected:,})",
+                    f"the object has {object_size - expected:,} bytes after the last tensor "
+                    f"({object_size:,} > {expected:,})",
                 )
             )
     complete = len(tensors) == entries
@@ -502,7 +528,9 @@ def read_header(store: Store, key: str, size: int, speculative_bytes: int = DEFA
     try:
         rest = store.read_range(key, len(head), header_end - len(head))
     except NotFoundError:
-        return HeaderRead(None, _error("object-vanished", "listed, but gone when its header was read"), requests, bytes_read)
+        return HeaderRead(
+            None, _error("object-vanished", "listed, but gone when its header was read"), requests, bytes_read
+        )
     bytes_read += len(rest)
     if len(head) + len(rest) < header_end:
         return HeaderRead(None, _changed(size, len(head) + len(rest)), requests, bytes_read)
@@ -574,4 +602,3 @@ def write_safetensors(
 ) -> ObjectInfo:
     """Write a (small) safetensors file to `key` in one put."""
     return store.put(key, safetensors_bytes(tensors, metadata))
-

@@ -57,7 +57,9 @@ def _segments(pattern: str) -> list[tuple[str, str | None]]:
                 )
             if spec or conversion:
                 # vLLM formats {part} with "*" to glob for a rank's files, so a spec like {part:03d} breaks it.
-                raise UsageError(f"placeholder {{{field}}} in pattern {pattern!r} must not have a format spec or conversion")
+                raise UsageError(
+                    f"placeholder {{{field}}} in pattern {pattern!r} must not have a format spec or conversion"
+                )
         segments.append((literal, field))
     return segments
 
@@ -92,7 +94,9 @@ def validate_pattern(pattern: str, tensor_parallel_size: int, pipeline_parallel_
         raise UsageError("tensor and pipeline parallel sizes must be at least 1")
     fields = set(pattern_fields(pattern))
     if "part" not in fields:
-        raise UsageError(f"pattern {pattern!r} lacks {{part}}", hint=f"for example {default_pattern(pipeline_parallel_size)}")
+        raise UsageError(
+            f"pattern {pattern!r} lacks {{part}}", hint=f"for example {default_pattern(pipeline_parallel_size)}"
+        )
     if tensor_parallel_size > 1 and not fields & TP_RANK_FIELDS:
         raise UsageError(
             f"pattern {pattern!r} lacks a tensor-parallel rank ({{rank}} or {{tp_rank}}), needed when TP > 1",
@@ -103,7 +107,9 @@ def validate_pattern(pattern: str, tensor_parallel_size: int, pipeline_parallel_
             f"pattern {pattern!r} lacks {{pp_rank}}, needed when PP > 1", hint=f"for example {DEFAULT_PP_PATTERN}"
         )
     if pipeline_parallel_size == 1 and "pp_rank" in fields:
-        raise UsageError(f"pattern {pattern!r} uses {{pp_rank}}, which vLLM 0.33 rejects when PP = 1", hint=f"use {DEFAULT_PATTERN}")
+        raise UsageError(
+            f"pattern {pattern!r} uses {{pp_rank}}, which vLLM 0.33 rejects when PP = 1", hint=f"use {DEFAULT_PATTERN}"
+        )
 
 
 def format_name(pattern: str, *, tp_rank: int, part: int, pp_rank: int = 0) -> str:

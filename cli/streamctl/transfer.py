@@ -44,7 +44,7 @@ DEFAULT_MAX_BUFFER = 256 * MiB
 DEFAULT_CONCURRENCY = 16
 HASH_CHUNK = 8 * MiB
 SHA256_KEY = "sha256"
-GIT_SHA1_KEY = "git-sha1"
+GIT_SHA1_KEY = "gitsha1"  # letters and digits only: Azure metadata names must be identifiers
 HF_INDEX_NAME = "model.safetensors.index.json"
 
 
@@ -194,6 +194,11 @@ def _mismatch(digests: Digests, sha256: str | None, git_sha1: str | None) -> str
 # --------------------------------------------------------------------------------------------- planning
 
 
+def _with_metadata(location: Location, info: ObjectInfo) -> ObjectInfo:
+    """Listings of some stores (S3) carry no user metadata: ask for it when it is missing."""
+    return info if info.metadata else location.store.stat(info.key)
+
+
 def _list_dest(dest: Location) -> dict[str, ObjectInfo]:
     try:
         return {dest.relative(info.key): info for info in dest.list()}
@@ -245,6 +250,7 @@ def _decide(
         return plan("copy", "new")
     if existing.size != file.size:
         return plan("copy", "size differs")
+    existing = _with_metadata(dest, existing)
     if file.sha256 is None and file.git_sha1 is not None and existing.metadata.get(GIT_SHA1_KEY) == file.git_sha1:
         return plan("skip", "unchanged (git sha1 matches)", existing.metadata.get(SHA256_KEY))
     stored = _stored_sha256(dest, file.path, existing, options.retry)
@@ -292,7 +298,7 @@ def plan_transfer(
     for selection in selections:
         if not selection.selected:
             continue
-        info = listing[selection.path]
+        info = _with_metadata(source, listing[selection.path])
         candidate = FilePlan(
             selection.path, info.size, info.metadata.get(SHA256_KEY), info.metadata.get(GIT_SHA1_KEY), "copy", ""
         )
@@ -578,3 +584,13 @@ def resolve_source_url(text: str, repo_type: str | None = None) -> str:
     if _REPO_ID.match(text):
         return f"hf://{'datasets/' if repo_type == 'dataset' else ''}{text}"
     return text
+
+
+def source_identity(location: Location) -> str:
+    """What the manifest records as the source: the repo without its revision (the commit is separate)."""
+    repo_id = getattr(location.store, "repo_id", None)
+    if repo_id is not None:
+        kind = getattr(location.store, "repo_type", "model")
+        path = f"/{location.prefix}" if location.prefix else ""
+        return f"hf://{'datasets/' if kind == 'dataset' else ''}{repo_id}{path}"
+    return location.url

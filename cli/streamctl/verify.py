@@ -13,12 +13,12 @@ Finding codes
 | code | severity | meaning |
 |---|---|---|
 | `file-too-small` | error | a `.safetensors` object is shorter than the 8-byte header length (rule 1) |
-| `header-too-large` | error | header length over 100,000,000 bytes, refused by the reference reader and the streamer (rule 2) |
+| `header-too-large` | error | header over 100,000,000 bytes: the reference reader and the streamer refuse it (rule 2) |
 | `header-over-hf-limit` | warning | header over 25,000,000 bytes, refused by huggingface_hub (rule 2) |
 | `header-exceeds-file` | error | 8 + header length is beyond the end of the object (rule 3) |
 | `header-not-utf8` | error | header bytes are not UTF-8 (rule 4) |
 | `header-invalid-json` | error | header is not valid JSON (rule 4) |
-| `header-too-complex` | error | header JSON nested too deeply or made of far too many arrays/objects (a JSON bomb) (rule 4) |
+| `header-too-complex` | error | header JSON nested over 64 deep, or a flood of arrays/objects (a JSON bomb) (rule 4) |
 | `header-not-object` | error | header JSON is not an object (rule 4) |
 | `header-leading-whitespace` | warning | header starts with whitespace, tolerated by the reference reader (rule 4) |
 | `bad-metadata` | error | `__metadata__` is not a map of string to string (rule 5; `null` is a warning) |
@@ -42,7 +42,7 @@ Finding codes
 | `empty-shard` | error | a `.safetensors` file holds no tensors (the streamer fails on it) |
 | `index-missing` | error | the index named with `--index` does not exist |
 | `index-too-large` | error | the index is over 100,000,000 bytes |
-| `index-invalid` | error | the index is not UTF-8 JSON of the form `{"metadata": {...}, "weight_map": {tensor: file}}` |
+| `index-invalid` | error | the index is not UTF-8 JSON like `{"metadata": {...}, "weight_map": {tensor: file}}` |
 | `index-duplicate-tensor` | error | a tensor appears twice in `weight_map` |
 | `unsafe-shard-name` | error | the index names a shard with `..`, an absolute path, a backslash or a sub-folder |
 | `shard-not-safetensors` | error | the index names a shard that is not a `.safetensors` file |
@@ -54,11 +54,11 @@ Finding codes
 | `total-size-mismatch` | warning | `metadata.total_size` differs from the sum of tensor sizes (writers differ) |
 | `no-index` | warning | several `.safetensors` files and no index |
 | `stale-index` | warning | a sharded-state layout also holds an HF index, which describes other files |
-| `unindexed-safetensors` | error | a top-level `.safetensors` file the index does not name: vLLM loads every one from a bucket |
+| `unindexed-safetensors` | error | a top-level `.safetensors` the index omits: vLLM loads all of them from a bucket |
 | `consolidated-mixed` | error | `consolidated*.safetensors` next to HF shards switches vLLM to Mistral-format loading |
 | `config-missing` | error | no `config.json` (vLLM requires it) |
 | `config-invalid` | error | `config.json` is not a UTF-8 JSON object |
-| `tokenizer-missing` | warning | no tokenizer files (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
+| `tokenizer-missing` | warning | no tokenizer (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
 | `remote-code-missing` | warning | `auto_map` in `config.json` names a `.py` file that is not there |
 | `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up |
 | `expect-violated` | error | a tensor matching an `--expect` GLOB lives outside its FILEs |
@@ -123,7 +123,14 @@ MAX_INDEX_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 10_000_000
 FINDINGS_PER_CODE_AND_FILE = 25
 # Any one of these is a usable tokenizer for vLLM; `vocab.json` needs `merges.txt` (checked apart).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tekken.json", "spiece.model", "vocab.txt", "tokenizer.tiktoken")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tekken.json",
+    "spiece.model",
+    "vocab.txt",
+    "tokenizer.tiktoken",
+)
 # Headers this large are parsed one at a time, so parallel reads don't multiply the parser's memory.
 _LARGE_HEADER_BYTES = 8_000_000
 
@@ -407,7 +414,8 @@ def _list(location: Location) -> _Listing:
 def _no_safetensors(location: Location, listing: _Listing) -> NotFoundError:
     nested = sorted({name.partition("/")[0] for name in listing.sizes if "/" in name and name.endswith(".safetensors")})
     if nested:
-        hint = f"*.safetensors files are in sub-folder(s) {', '.join(f'{folder}/' for folder in nested)}: verify that folder"
+        folders = ", ".join(f"{folder}/" for folder in nested)
+        hint = f"*.safetensors files are in sub-folder(s) {folders}: verify that folder"
     else:
         hint = "vLLM needs model.safetensors or model-00001-of-0000N.safetensors files at the top of the prefix"
     return NotFoundError(f"no .safetensors files directly under {location.url}", hint=hint)
@@ -459,9 +467,7 @@ def _read_small_object(
     return data
 
 
-def _read_index(
-    location: Location, listing: _Listing, name: str, findings: _Findings, reads: _Reads
-) -> _Index | None:
+def _read_index(location: Location, listing: _Listing, name: str, findings: _Findings, reads: _Reads) -> _Index | None:
     if name not in listing.sizes:
         findings.error("index-missing", name, "the index file does not exist")
         return None
@@ -557,7 +563,10 @@ def _check_tensor_in_two_shards(shards: Sequence[_Shard], findings: _Findings) -
     for tensor, files in _tensor_locations(shards).items():
         for file in files[1:]:
             findings.error(
-                "tensor-in-two-shards", file, f"also in {files[0]}; which copy is loaded is undefined", printable(tensor)
+                "tensor-in-two-shards",
+                file,
+                f"also in {files[0]}; which copy is loaded is undefined",
+                printable(tensor),
             )
 
 
@@ -585,9 +594,13 @@ def _check_index(index: _Index, shards: Sequence[_Shard], listing: _Listing, fin
         if reason is not None:
             findings.error("unsafe-shard-name", shown, f"shard name {reason}; {mapped_counts[file]} tensors map to it")
         elif not file.endswith(".safetensors"):
-            findings.error("shard-not-safetensors", shown, f"not a .safetensors file; {mapped_counts[file]} tensors map to it")
+            findings.error(
+                "shard-not-safetensors", shown, f"not a .safetensors file; {mapped_counts[file]} tensors map to it"
+            )
         elif file not in listing.top_level:
-            findings.error("missing-shard", shown, f"named by {index.name} for {mapped_counts[file]} tensors, but absent")
+            findings.error(
+                "missing-shard", shown, f"named by {index.name} for {mapped_counts[file]} tensors, but absent"
+            )
         elif shards_by_name[file].complete:
             usable.add(file)
 
@@ -601,20 +614,30 @@ def _check_index(index: _Index, shards: Sequence[_Shard], listing: _Listing, fin
         elsewhere = [name for name in locations.get(tensor, ()) if name != file]
         if elsewhere:
             findings.error(
-                "index-wrong-shard", file, f"{index.name} maps it here, but it is in {', '.join(elsewhere)}", printable(tensor)
+                "index-wrong-shard",
+                file,
+                f"{index.name} maps it here, but it is in {', '.join(elsewhere)}",
+                printable(tensor),
             )
         else:
-            findings.error("index-tensor-missing", file, f"{index.name} maps it here, but no shard header has it", printable(tensor))
+            findings.error(
+                "index-tensor-missing",
+                file,
+                f"{index.name} maps it here, but no shard header has it",
+                printable(tensor),
+            )
 
     total = 0
     for name in sorted(mapped_counts):
         shard = shards_by_name.get(name)
         if shard is None or shard.header is None:
             continue
-        for tensor in shard.header.tensors:
-            total += tensor.nbytes
-            if tensor.name not in index.weight_map:
-                findings.error("tensor-not-in-index", name, f"in the header but not in {index.name}", printable(tensor.name))
+        for info in shard.header.tensors:
+            total += info.nbytes
+            if info.name not in index.weight_map:
+                findings.error(
+                    "tensor-not-in-index", name, f"in the header but not in {index.name}", printable(info.name)
+                )
     for shard in shards:
         if shard.name not in mapped_counts:
             findings.error(
@@ -625,7 +648,9 @@ def _check_index(index: _Index, shards: Sequence[_Shard], listing: _Listing, fin
     all_read = all(name in usable for name in mapped_counts)
     if index.total_size is not None and all_read and total != index.total_size:
         findings.warning(
-            "total-size-mismatch", index.name, f"metadata.total_size is {index.total_size:,}; the shard headers sum to {total:,}"
+            "total-size-mismatch",
+            index.name,
+            f"metadata.total_size is {index.total_size:,}; the shard headers sum to {total:,}",
         )
 
 
@@ -670,7 +695,8 @@ def _check_expectations(
             findings.error(
                 "expect-violated",
                 outside[0] if outside else printable(mapped_to or ""),
-                f"matches {expectation.pattern!r} and must be in {', '.join(expectation.files)}, but {' and '.join(where)}",
+                f"matches {expectation.pattern!r} and must be in {', '.join(expectation.files)}, "
+                f"but {' and '.join(where)}",
                 printable(tensor),
             )
 
@@ -707,7 +733,9 @@ def _check_sharded(
         glob = rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank)
         if tp_rank >= tp or pp_rank >= pp:
             findings.error(
-                "sharded-rank-unexpected", glob, f"files for TP rank {tp_rank}, PP stage {pp_rank}, beyond TP {tp} x PP {pp}"
+                "sharded-rank-unexpected",
+                glob,
+                f"files for TP rank {tp_rank}, PP stage {pp_rank}, beyond TP {tp} x PP {pp}",
             )
         _check_parts(glob, names, findings)
 
@@ -720,10 +748,14 @@ def _check_sharded(
             continue
         if any(matches_rank_glob(pattern, shard.name, tp_rank=t, pp_rank=p) for p, t in stray_ranks):
             findings.error(
-                "sharded-unexpected-file", shard.name, f"vLLM's rank lookup for {pattern} loads it, but it does not fit the pattern"
+                "sharded-unexpected-file",
+                shard.name,
+                f"vLLM's rank lookup for {pattern} loads it, but it does not fit the pattern",
             )
         else:
-            findings.warning("sharded-unused-file", shard.name, f"no rank of {pattern} loads it; remove it to save space")
+            findings.warning(
+                "sharded-unused-file", shard.name, f"no rank of {pattern} loads it; remove it to save space"
+            )
     for index_name in (INDEX_NAME, MISTRAL_INDEX_NAME):
         if index_name in listing.top_level:
             findings.warning(
@@ -752,12 +784,14 @@ def _check_rank_tensors(
     # Per rank: every tensor once across its parts. Per stage: the same names (and dtypes) on every TP rank.
     stage_names: dict[int, dict[int, dict[str, str]]] = defaultdict(dict)  # pp -> tp -> {tensor: dtype}
     for (pp_rank, tp_rank), names in sorted(ranks.items()):
-        seen: dict[str, str] = {}
+        seen: dict[str, str] = {}  # tensor -> the part it was first seen in
+        dtypes: dict[str, str] = {}
         complete = True
         for sharded_name in sorted(names, key=lambda item: (item.part, item.name)):
             shard = shards_by_name[sharded_name.name]
             complete = complete and shard.complete
             for tensor in shard.header.tensors if shard.header else ():
+                dtypes.setdefault(tensor.name, tensor.dtype)
                 if tensor.name in seen:
                     findings.error(
                         "sharded-duplicate-tensor",
@@ -767,34 +801,31 @@ def _check_rank_tensors(
                     )
                 else:
                     seen[tensor.name] = shard.name
-        if complete:
-            stage_names[pp_rank][tp_rank] = {
-                tensor.name: tensor.dtype
-                for sharded_name in names
-                for tensor in shards_by_name[sharded_name.name].header.tensors  # type: ignore[union-attr]
-            }
+        if complete:  # a rank with an unreadable part would show every missing name as a mismatch
+            stage_names[pp_rank][tp_rank] = dtypes
     for pp_rank, per_rank in sorted(stage_names.items()):
         if len(per_rank) < 2:
             continue
-        union = set().union(*per_rank.values())
-        for tp_rank, tensors in sorted(per_rank.items()):
+        union: set[str] = set().union(*per_rank.values())
+        for tp_rank, dtypes_by_name in sorted(per_rank.items()):
             glob = rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank)
-            for tensor in sorted(union - tensors.keys()):
-                others = sorted(rank for rank, names in per_rank.items() if tensor in names)
+            for missing_name in sorted(union - dtypes_by_name.keys()):
+                others = sorted(rank for rank, names in per_rank.items() if missing_name in names)
                 findings.error(
                     "sharded-rank-mismatch",
                     glob,
-                    f"missing on TP rank {tp_rank} of stage {pp_rank}, present on rank(s) {', '.join(map(str, others))}",
-                    printable(tensor),
+                    f"missing on TP rank {tp_rank} of stage {pp_rank}, "
+                    f"present on rank(s) {', '.join(map(str, others))}",
+                    printable(missing_name),
                 )
-        for tensor in sorted(set.intersection(*(set(names) for names in per_rank.values()))):
-            dtypes = {names[tensor] for names in per_rank.values()}
-            if len(dtypes) > 1:
+        for shared_name in sorted(set.intersection(*(set(names) for names in per_rank.values()))):
+            stored_as = {names[shared_name] for names in per_rank.values()}
+            if len(stored_as) > 1:
                 findings.warning(
                     "sharded-dtype-mismatch",
                     rank_glob(pattern, tp_rank=0, pp_rank=pp_rank),
-                    f"stored as {', '.join(sorted(dtypes))} on different TP ranks of stage {pp_rank}",
-                    printable(tensor),
+                    f"stored as {', '.join(sorted(stored_as))} on different TP ranks of stage {pp_rank}",
+                    printable(shared_name),
                 )
 
 

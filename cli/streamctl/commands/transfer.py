@@ -30,7 +30,9 @@ def command(
     revision: Annotated[
         Optional[str], typer.Option("--revision", help="Branch, tag or commit (resolved to one commit).")
     ] = None,
-    repo_type: Annotated[RepoType, typer.Option("--repo-type", help="Hugging Face repo type.")] = RepoType.model,
+    repo_type: Annotated[
+        Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type [default: model].")
+    ] = None,
     include: Annotated[
         Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Also copy matching files (repeatable).")
     ] = None,
@@ -86,7 +88,13 @@ def command(
     from streamctl.k8s import k8s_name, to_yaml, transfer_job
     from streamctl.sizes import parse_size
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer, resolve_source_url
+    from streamctl.transfer import (
+        TransferOptions,
+        execute_transfer,
+        plan_transfer,
+        resolve_source_url,
+        source_identity,
+    )
 
     options = TransferOptions(
         include=tuple(include or ()),
@@ -98,7 +106,7 @@ def command(
         force=force,
     )
     options.validate()
-    source_url = resolve_source_url(source, repo_type.value)
+    source_url = resolve_source_url(source, repo_type.value if repo_type else None)
     if k8s_job:
         arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
         arguments += [f"--revision={revision}"] if revision else []
@@ -127,10 +135,10 @@ def command(
 
     storage = dict(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
     source_location = open_location(
-        source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value, **storage)
+        source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value if repo_type else None, **storage)
     )
     dest_location = open_location(dest, StorageOptions(**storage))
-    plan = plan_transfer(source_location, dest_location, source_location.url, options)
+    plan = plan_transfer(source_location, dest_location, source_identity(source_location), options)
     if dry_run:
         if output.settings.json:
             output.print_json(plan.to_json())

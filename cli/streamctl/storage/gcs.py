@@ -164,6 +164,7 @@ class GCSMultipartUpload:
     _sizes: dict[int, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completing", "completed" or "aborted"
+    _cleaned: bool = False  # an abort deleted every temporary object
     # Temporary objects that could not be deleted after a successful complete (best effort; hidden anyway).
     leftovers: list[str] = field(default_factory=list)
 
@@ -233,12 +234,13 @@ class GCSMultipartUpload:
 
     def abort(self) -> None:
         with self._lock:
-            if self._state in ("completed", "aborted"):
+            if self._state == "completed" or self._cleaned:
                 return
-            self._state = "aborted"
+            self._state = "aborted"  # parts still in flight delete themselves when they land
         # List rather than trust our own record: a part whose response was lost may still have landed.
         names = [info.name for info in self.store._list_raw(self.temporary_prefix, Op.WRITE)]
         failed = self.store._delete_quietly(names)
+        self._cleaned = not failed  # else a later abort() tries again
         if failed:
             raise RemoteError(
                 f"{self.store.url(self.key)}: {len(failed)} temporary part objects could not be deleted",

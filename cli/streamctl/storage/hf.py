@@ -33,6 +33,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils import logging as hf_logging
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
 try:  # huggingface_hub 2.x speaks httpx2; 1.x spoke httpx (same API)
@@ -83,7 +84,7 @@ def object_info(entry: RepoFile) -> ObjectInfo:
     if entry.lfs is not None:
         sha256 = entry.lfs.sha256
         return ObjectInfo(entry.path, entry.lfs.size, sha256, {"sha256": sha256})
-    return ObjectInfo(entry.path, entry.size, entry.blob_id, {"git-sha1": entry.blob_id})
+    return ObjectInfo(entry.path, entry.size, entry.blob_id, {"gitsha1": entry.blob_id})
 
 
 def redact(text: str, secret: str | None) -> str:
@@ -402,6 +403,8 @@ def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revisio
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
     """Options override the URL: --revision / --repo-type / --token beat @REV and datasets/."""
+    # huggingface_hub logs its own retries to stderr; streamctl reports through its progress protocol.
+    hf_logging.set_verbosity_error()
     repo_type = options.hf_repo_type or parsed.repo_type or "model"
     revision = options.hf_revision or parsed.revision
     return HfStore(

@@ -176,7 +176,7 @@ class S3MultipartUpload:
     checksum_algorithm: str | None = None  # per-part checksum S3 verifies (as boto3's own transfers do)
     _parts: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _state: str = "open"  # "open", "completed" or "aborted"
+    _state: str = "open"  # "open", "aborting", "completed" or "aborted"
 
     def upload_part(self, index: int, data: bytes) -> None:
         if self._state != "open":
@@ -214,7 +214,10 @@ class S3MultipartUpload:
         if not parts:
             # S3 refuses to complete an upload without parts; an empty object is a plain put.
             self.abort()
-            return self.store.put(self.key, b"", self.metadata)
+            info = self.store.put(self.key, b"", self.metadata)
+            with self._lock:
+                self._state = "completed"
+            return info
         with self.store._guard(Op.WRITE, self.key):
             response = self.store._client.complete_multipart_upload(
                 Bucket=self.store.bucket,
@@ -231,16 +234,20 @@ class S3MultipartUpload:
         with self._lock:
             if self._state != "open":
                 return
-            self._state = "aborted"
+            self._state = "aborting"  # refuses further parts
         try:
             with self.store._guard(Op.WRITE, self.key):
                 self.store._client.abort_multipart_upload(
                     Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
                 )
         except StreamctlError as error:
-            if _is_no_such_upload(error):
-                return  # already gone: aborted elsewhere, or expired by a lifecycle rule
-            raise
+            # NoSuchUpload: already gone (aborted elsewhere, or expired by a lifecycle rule).
+            if not _is_no_such_upload(error):
+                with self._lock:
+                    self._state = "open"  # S3 still holds the parts (and bills them): let a later abort retry
+                raise
+        with self._lock:
+            self._state = "aborted"
 
 
 def _is_no_such_upload(error: StreamctlError) -> bool:
