@@ -34,7 +34,14 @@ from checkpoints import (
 )
 from streamctl import verify as verify_module
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, UsageError
-from streamctl.sharded import DEFAULT_PP_PATTERN
+from streamctl.sharded import (
+    DEFAULT_PATTERN,
+    DEFAULT_PP_PATTERN,
+    format_name,
+    match_sharded,
+    rank_loading,
+    validate_pattern,
+)
 from streamctl.storage import open_location
 from streamctl.storage.base import Location, ObjectInfo
 from streamctl.verify import (
@@ -634,6 +641,59 @@ def test_custom_pattern_syntax_errors_are_usage_errors(location: Location) -> No
     for pattern in ["model-{rank}-{shard}.safetensors", "{rank}{part}", "sub/{rank}-{part}"]:
         with pytest.raises(UsageError):
             run(location, pattern=pattern)
+
+
+def test_absurd_rank_and_part_numbers_are_reported_without_walking_them(location: Location) -> None:
+    write_sharded_checkpoint(location, tp=2, parts=1)
+    spare = read_object(location, "model-rank-1-part-0.safetensors")
+    put_bytes(location, "model-rank-999999999-part-0.safetensors", spare)
+    put_bytes(location, "model-rank-1-part-99999999999.safetensors", spare)
+    report = run(location)  # would take hours if ranks or parts were enumerated
+    assert findings_of(report, "sharded-rank-missing") == [(None, None)]
+    assert "1,000,000,000 ranks; 3 have files" in next(
+        f.message for f in report.findings if f.code == "sharded-rank-missing"
+    )
+    assert findings_of(report, "sharded-part-missing") == [("model-rank-1-part-*.safetensors", None)]
+    assert "99,999,999,998 missing: 1, 2, 3" in next(
+        f.message for f in report.findings if f.code == "sharded-part-missing"
+    )
+
+
+@pytest.mark.parametrize(
+    "pattern, tp, pp, allowed",
+    [
+        ("model-rank-{rank}-part-{part}.safetensors", 8, 1, True),
+        ("model-tp-{tp_rank}-part-{part}.safetensors", 2, 1, True),
+        ("single-{part}.safetensors", 1, 1, True),  # TP = 1 needs no rank field
+        ("single-{part}.safetensors", 2, 1, False),
+        ("model-rank-{rank}.safetensors", 1, 1, False),  # {part} is required
+        ("model-rank-{rank}-part-{part}.safetensors", 2, 2, False),  # PP > 1 needs {pp_rank}
+        ("model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors", 2, 1, False),  # and PP = 1 rejects it
+        ("model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors", 2, 4, True),
+        ("model-{stage}-{part}.safetensors", 1, 1, False),
+    ],
+)
+def test_vllm_pattern_rules(pattern: str, tp: int, pp: int, allowed: bool) -> None:
+    if allowed:
+        validate_pattern(pattern, tp, pp)
+    else:
+        with pytest.raises(UsageError):
+            validate_pattern(pattern, tp, pp)
+
+
+def test_sharded_names_round_trip_and_parse_back() -> None:
+    names = [
+        format_name(DEFAULT_PP_PATTERN, tp_rank=t, pp_rank=p, part=k)
+        for p in range(2)
+        for t in range(3)
+        for k in range(2)
+    ]
+    assert names[0] == "model-pp-0-tp-0-part-0.safetensors"
+    assert match_sharded(DEFAULT_PP_PATTERN, [*names, "model-pp-0-tp-01-part-0.safetensors", "other.safetensors"]) == {
+        (p, t): [0, 1] for p in range(2) for t in range(3)
+    }
+    assert rank_loading(DEFAULT_PATTERN, "model-rank-3-part-0.bak.safetensors") == (0, 3)
+    assert rank_loading(DEFAULT_PATTERN, "model-rank-03-part-0.safetensors") is None  # vLLM formats 3 as "3"
 
 
 def test_not_sharded_overrides_detection(location: Location) -> None:

@@ -56,5 +56,11 @@ class VerificationFailed(StreamctlError):
     exit_code = 1
 
 
+class MissingProgramError(StreamctlError):
+    """A program or optional extra that this command needs is not installed (as a shell's 127)."""
+
+    exit_code = 127
+
+
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from collections.abc import Mapping, Sequence
@@ -107,3 +108,89 @@ def transfer_job(
             "template": {"metadata": {"labels": {"app.kubernetes.io/name": name}}, "spec": pod_spec},
         },
     }
+
+
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
+VLLM_PORT = 8000
+PROBE_PERIOD_S = 10
+
+
+def _gibibytes(count: int) -> str:
+    return f"{max(1, math.ceil(count / 1024**3))}Gi"
+
+
+def serve_manifests(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    name: str,
+    namespace: str,
+    image: str,
+    tensor_parallel_size: int,
+    service_account: str | None,
+    accelerator: str | None,
+    secret: str | None,
+    startup_budget_s: int,
+    memory_request_bytes: int | None,
+    shm_bytes: int,
+) -> list[dict[str, object]]:
+    """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
+    /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size."""
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
+    gpus = str(tensor_parallel_size)
+    resources: dict[str, object] = {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}}
+    if memory_request_bytes:
+        resources["requests"] = {"nvidia.com/gpu": gpus, "memory": _gibibytes(memory_request_bytes)}
+    health = {"path": "/health", "port": VLLM_PORT}
+    container: dict[str, object] = {
+        "name": "vllm",
+        "image": image,
+        "command": [argv[0]],
+        "args": list(argv[1:]),
+        "ports": [{"containerPort": VLLM_PORT, "name": "http"}],
+        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
+        "resources": resources,
+        # vLLM answers /health only once the weights are loaded: the startup probe holds the others off.
+        "startupProbe": {
+            "httpGet": health,
+            "periodSeconds": PROBE_PERIOD_S,
+            "failureThreshold": max(1, math.ceil(startup_budget_s / PROBE_PERIOD_S)),
+        },
+        "readinessProbe": {"httpGet": health, "periodSeconds": PROBE_PERIOD_S, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": health, "periodSeconds": 30, "failureThreshold": 5},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    if secret:
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
+    pod_spec: dict[str, object] = {
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gibibytes(shm_bytes)}}],
+    }
+    if service_account:
+        pod_spec["serviceAccountName"] = service_account
+    if accelerator:
+        pod_spec["nodeSelector"] = {"cloud.google.com/gke-accelerator": accelerator}
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "selector": {"app.kubernetes.io/name": name},
+            "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": VLLM_PORT}],
+        },
+    }
+    return [deployment, service]
+
+
+def to_yaml_documents(documents: Sequence[object]) -> str:
+    return "---\n".join(to_yaml(document) for document in documents)

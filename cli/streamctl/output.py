@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from streamctl.errors import StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
 
     from streamctl.transfer import TransferPlan, TransferResult
+    from streamctl.tune import TuneResult
     from streamctl.verify import VerifyReport
 
 
@@ -73,9 +75,9 @@ def print_error(error: StreamctlError) -> None:
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
-    console.print(f"[bold red]error:[/] {error.message}", markup=True, highlight=False)
+    console.print(f"[bold red]error:[/] {escape(error.message)}", markup=True, highlight=False)
     if error.hint:
-        console.print(f"[yellow]hint:[/] {error.hint}", markup=True, highlight=False)
+        console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False)
 
 
 def print_internal_error(error: BaseException) -> None:
@@ -83,12 +85,18 @@ def print_internal_error(error: BaseException) -> None:
         traceback.print_exception(error, file=sys.stderr)
     first_line = (str(error).splitlines() or [""])[0]
     stderr().print(
-        f"[bold red]internal error:[/] {type(error).__name__}: {first_line}",
+        f"[bold red]internal error:[/] {type(error).__name__}: {escape(first_line)}",
         markup=True,
         highlight=False,
     )
     if not settings.debug:
         stderr().print("[yellow]hint:[/] rerun with --debug for a traceback and report it", markup=True)
+
+
+def warn(message: str) -> None:
+    """Warnings show unless --quiet or --json, even when stderr is not a terminal (they matter in CI logs)."""
+    if not (settings.quiet or settings.json):
+        stderr().print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
 
 
 def log(message: str) -> None:
@@ -155,10 +163,10 @@ def human_bytes(count: float) -> str:
     return f"{count} B"
 
 
-def render_verify_report(report: VerifyReport) -> None:
+def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     from rich.table import Table
 
-    console = stdout()
+    console = stderr() if to_stderr else stdout()
     if report.findings:
         table = Table(show_lines=False, header_style="bold")
         for column in ("severity", "code", "file", "tensor", "message"):
@@ -172,20 +180,22 @@ def render_verify_report(report: VerifyReport) -> None:
             style = "red" if finding.severity == "error" else "yellow"
             table.add_row(
                 f"[{style}]{finding.severity}[/]",
-                finding.code,
-                finding.file or "",
-                finding.tensor or "",
-                finding.message,
+                escape(finding.code),
+                escape(finding.file or ""),
+                escape(finding.tensor or ""),
+                escape(finding.message),
             )
         for (severity, code, file), count in shown.items():
             if count > FINDINGS_SHOWN_PER_GROUP:
                 hidden = count - FINDINGS_SHOWN_PER_GROUP
-                table.add_row(f"[dim]{severity}[/]", code, file or "", "", f"[dim]... and {hidden} more (see --json)[/]")
+                table.add_row(
+                    f"[dim]{severity}[/]", escape(code), escape(file or ""), "", f"[dim]... and {hidden} more (see --json)[/]"
+                )
         console.print(table)
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     console.print(
-        f"{verdict} {report.checkpoint} ({report.layout}): {len(report.errors)} errors, "
+        f"{verdict} {escape(report.checkpoint)} ({report.layout}): {len(report.errors)} errors, "
         f"{len(report.warnings)} warnings; {stats.files} files, {stats.tensors} tensors, "
         f"{human_bytes(stats.total_bytes)} checkpoint, {human_bytes(stats.bytes_read)} of headers read "
         f"in {stats.requests} requests, {stats.seconds:.2f} s",
@@ -197,14 +207,14 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
     from rich.table import Table
 
     console = stderr() if to_stderr else stdout()
-    table = Table(header_style="bold", title=f"{plan.source} -> {plan.dest}" + (f" @ {plan.commit}" if plan.commit else ""))
+    table = Table(header_style="bold", title=escape(f"{plan.source} -> {plan.dest}") + (f" @ {plan.commit}" if plan.commit else ""))
     for column in ("action", "size", "file", "reason"):
         table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
     for file in plan.files:
         style = "green" if file.action == "copy" else "dim"
-        table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), file.path, file.reason)
+        table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), escape(file.path), escape(file.reason))
     for selection in plan.excluded:
-        table.add_row("[yellow]leave out[/]", "", selection.path, selection.reason)
+        table.add_row("[yellow]leave out[/]", "", escape(selection.path), escape(selection.reason))
     console.print(table)
     copying = sum(1 for file in plan.files if file.action == "copy")
     console.print(
@@ -218,7 +228,23 @@ def render_transfer_result(result: TransferResult) -> None:
     copied = sum(1 for file in result.files if file.action == "copied")
     skipped = len(result.files) - copied
     stdout().print(
-        f"[bold green]done[/] {result.dest}: {copied} copied, {skipped} unchanged; "
+        f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged; "
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
         highlight=False,
     )
+
+
+def render_tune_result(result: TuneResult) -> None:
+    from rich.table import Table
+
+    table = Table(header_style="bold", title=f"streamer throughput over {len(result.files)} files")
+    for column in ("concurrency", "GB/s", "seconds"):
+        table.add_column(column, justify="right")
+    best = result.best.concurrency
+    for sample in result.samples:
+        mark = " *" if sample.concurrency == best else ""
+        table.add_row(f"{sample.concurrency}{mark}", f"{sample.gb_per_s:.2f}", f"{sample.seconds:.2f}")
+    console = stderr()
+    if not settings.quiet:
+        console.print(table)
+        console.print(f"using concurrency {best}", highlight=False)

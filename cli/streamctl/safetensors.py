@@ -182,28 +182,40 @@ def _file_too_small(object_size: int) -> HeaderProblem:
 # Rule 4 and 6: strict JSON
 
 
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+# A JSON string, or one bracket. Scanned on the raw UTF-8 bytes: quotes, backslashes and brackets are
+# ASCII, and no byte of a multi-byte UTF-8 sequence can be mistaken for one of them.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+_QUOTE, _OPENERS = ord('"'), (ord("["), ord("{"))
 
 
-def _json_complexity_problem(text: str, max_depth: int, what: str) -> HeaderProblem | None:
-    """Refuse deep nesting and container floods before `json.loads` recurses or allocates for them."""
-    skeleton = _NOT_BRACKET.sub("", _JSON_STRING.sub("", text))  # brackets inside strings aren't structure
-    containers = 0
+def _json_complexity_problem(data: bytes, max_depth: int, what: str) -> HeaderProblem | None:
+    """Refuse deep nesting and container floods before `json.loads` recurses or allocates for them.
+
+    Streams over tokens with O(1) memory and stops at the first excess; skipped entirely when a plain
+    count of brackets (an upper bound, as some may sit inside strings) proves neither can happen.
+    """
+    openings = data.count(b"[") + data.count(b"{")
+    # Only large documents can cost much memory; small ones (config.json) may legitimately be dense.
+    flood_limit = len(data) // _MIN_BYTES_PER_CONTAINER if len(data) > _FLOOD_CHECK_FROM_CHARS else None
+    if openings <= max_depth and (flood_limit is None or openings <= flood_limit):
+        return None
     depth = 0
-    for char in skeleton:
-        if char in "[{":
+    containers = 0
+    for match in _JSON_TOKEN.finditer(data):
+        token = data[match.start()]
+        if token == _QUOTE:
+            continue  # brackets inside strings are text, not structure
+        if token in _OPENERS:
             depth += 1
             containers += 1
             if depth > max_depth:
                 return _error("header-too-complex", f"{what} JSON is nested deeper than {max_depth} levels")
+            if flood_limit is not None and containers > flood_limit:
+                return _error(
+                    "header-too-complex", f"{what} JSON has over {flood_limit:,} arrays/objects in {len(data):,} bytes"
+                )
         else:
             depth -= 1
-    # Only large documents can cost much memory; small ones (config.json) may legitimately be dense.
-    if len(text) > _FLOOD_CHECK_FROM_CHARS and containers > len(text) // _MIN_BYTES_PER_CONTAINER:
-        return _error(
-            "header-too-complex", f"{what} JSON has {containers:,} arrays/objects in {len(text):,} characters"
-        )
     return None
 
 
@@ -235,7 +247,7 @@ def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: 
         return JsonDocument(
             None, _error("header-not-utf8", f"{what} is not UTF-8 ({error.reason} at byte {error.start})")
         )
-    complexity = _json_complexity_problem(text, max_depth, what)
+    complexity = _json_complexity_problem(data, max_depth, what)
     if complexity is not None:
         return JsonDocument(None, complexity)
     duplicates: list[tuple[dict[str, Any], str]] = []

@@ -12,7 +12,6 @@ import re
 import string
 from collections.abc import Iterable
 from dataclasses import dataclass
-from fnmatch import fnmatchcase
 from functools import lru_cache
 
 from streamctl.errors import UsageError
@@ -167,9 +166,35 @@ def match_sharded(pattern: str, names: Iterable[str]) -> dict[tuple[int, int], l
     return {key: sorted(parts) for key, parts in sorted(result.items())}
 
 
-def matches_rank_glob(pattern: str, name: str, *, tp_rank: int, pp_rank: int = 0) -> bool:
-    """Whether vLLM would load `name` as one of the parts of this rank."""
-    return fnmatchcase(name, rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank))
+@lru_cache(maxsize=32)
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    # The rank glob with its ranks left open: "*" (for {part}) matches anything, as in fnmatch.
+    parts: list[str] = []
+    for index, (literal, field) in enumerate(_segments(pattern)):
+        parts.append(re.escape(literal))
+        if field == "part":
+            parts.append(".*")
+        elif field is not None:
+            parts.append(f"(?P<{field}_{index}>{_RANK_DIGITS})")
+    return re.compile("".join(parts), re.DOTALL)
+
+
+def rank_loading(pattern: str, name: str) -> tuple[int, int] | None:
+    """(pp_rank, tp_rank) of a rank whose vLLM glob matches `name` (so vLLM would load it), or None.
+
+    Works without enumerating ranks, so a name with an absurd rank number costs nothing.
+    """
+    pattern_fields(pattern)
+    match = _glob_regex(pattern).fullmatch(name)
+    if match is None:
+        return None
+    values: dict[str, set[int]] = {}
+    for group, text in match.groupdict().items():
+        field = group.rsplit("_", 1)[0]
+        values.setdefault("tp_rank" if field in TP_RANK_FIELDS else field, set()).add(int(text))
+    if any(len(seen) > 1 for seen in values.values()):
+        return None
+    return next(iter(values.get("pp_rank", {0}))), next(iter(values.get("tp_rank", {0})))
 
 
 def detect_sharded_pattern(names: Iterable[str]) -> str | None:

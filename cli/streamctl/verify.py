@@ -103,11 +103,12 @@ from streamctl.safetensors import (
 from streamctl.sharded import (
     ShardedName,
     default_pattern,
+    match_sharded,
     detect_sharded_pattern,
-    matches_rank_glob,
     parse_sharded_name,
     pattern_fields,
     rank_glob,
+    rank_loading,
     validate_pattern,
 )
 from streamctl.storage.base import Location
@@ -122,6 +123,7 @@ MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidate
 MAX_INDEX_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 10_000_000
 FINDINGS_PER_CODE_AND_FILE = 25
+MAX_RANKS_LISTED = 4096  # above TP x PP this, missing ranks are summed up in one finding
 # Any one of these is a usable tokenizer for vLLM; `vocab.json` needs `merges.txt` (checked apart).
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -187,6 +189,7 @@ class VerifyStats:
     bytes_read: int  # header, index and config bytes actually read
     requests: int  # ranged reads (the listing is not counted)
     seconds: float
+    largest_tensor_bytes: int = 0  # what a streamer's memory limit must at least hold
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,9 @@ class VerifyReport:
     layout: str  # "indexed" | "single" | "sharded"
     findings: tuple[Finding, ...]
     stats: VerifyStats
+    # TP ranks and PP stages whose files a sharded layout holds (highest rank seen + 1); None otherwise.
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -372,8 +378,17 @@ def verify_checkpoint(
         bytes_read=reads.bytes_read,
         requests=reads.requests,
         seconds=time.monotonic() - started,
+        largest_tensor_bytes=max(
+            (tensor.end - tensor.begin for shard in shards if shard.header for tensor in shard.header.tensors),
+            default=0,
+        ),
     )
-    return VerifyReport(location.url, layout, findings.result(), stats)
+    tp = pp = None
+    if sharded_pattern is not None:
+        ranks = match_sharded(sharded_pattern, safetensors_names)
+        tp = max((tp_rank for _, tp_rank in ranks), default=-1) + 1 or None
+        pp = max((pp_rank for pp_rank, _ in ranks), default=-1) + 1 or None
+    return VerifyReport(location.url, layout, findings.result(), stats, tp, pp)
 
 
 def _check_options(options: VerifyOptions) -> None:
@@ -721,14 +736,22 @@ def _check_sharded(
     ranks: dict[tuple[int, int], list[ShardedName]] = defaultdict(list)
     for name in parsed.values():
         ranks[(name.pp_rank, name.tp_rank)].append(name)
-    for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            if (pp_rank, tp_rank) not in ranks:
-                findings.error(
-                    "sharded-rank-missing",
-                    rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank),
-                    f"no file for TP rank {tp_rank} of {tp}, PP stage {pp_rank} of {pp}",
-                )
+    if tp * pp > MAX_RANKS_LISTED:
+        # A stray name like model-rank-999999999-part-0 must not make us walk a billion ranks.
+        present = sum(1 for pp_rank, tp_rank in ranks if pp_rank < pp and tp_rank < tp)
+        if present < tp * pp:
+            findings.error(
+                "sharded-rank-missing", None, f"TP {tp:,} x PP {pp:,} needs {tp * pp:,} ranks; {present} have files"
+            )
+    else:
+        for pp_rank in range(pp):
+            for tp_rank in range(tp):
+                if (pp_rank, tp_rank) not in ranks:
+                    findings.error(
+                        "sharded-rank-missing",
+                        rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank),
+                        f"no file for TP rank {tp_rank} of {tp}, PP stage {pp_rank} of {pp}",
+                    )
     for (pp_rank, tp_rank), names in sorted(ranks.items()):
         glob = rank_glob(pattern, tp_rank=tp_rank, pp_rank=pp_rank)
         if tp_rank >= tp or pp_rank >= pp:
@@ -742,11 +765,11 @@ def _check_sharded(
     shards_by_name = {shard.name: shard for shard in shards}
     _check_rank_tensors(pattern, ranks, shards_by_name, findings)
 
-    stray_ranks = [(p, t) for p in range(max(pp, seen_pp)) for t in range(max(tp, seen_tp))]
     for shard in shards:
         if shard.name in parsed:
             continue
-        if any(matches_rank_glob(pattern, shard.name, tp_rank=t, pp_rank=p) for p, t in stray_ranks):
+        loaded_by = rank_loading(pattern, shard.name)
+        if loaded_by is not None and loaded_by[0] < pp and loaded_by[1] < tp:
             findings.error(
                 "sharded-unexpected-file",
                 shard.name,
@@ -769,10 +792,20 @@ def _check_parts(glob: str, names: Sequence[ShardedName], findings: _Findings) -
         if count > 1:
             files = sorted(name.name for name in names if name.part == part)
             findings.error("sharded-part-duplicate", glob, f"part {part} appears {count} times: {', '.join(files)}")
-    missing = [part for part in range(max(parts) + 1) if part not in parts]
-    if missing:
-        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
-        findings.error("sharded-part-missing", glob, f"parts count from 0 without holes; missing {shown}")
+    highest = max(parts)
+    missing_count = highest + 1 - len(parts)
+    if missing_count:
+        # List the first few holes only: a part number can be absurdly large.
+        first_missing: list[int] = []
+        part = 0
+        while len(first_missing) < 10 and part <= highest:
+            if part not in parts:
+                first_missing.append(part)
+            part += 1
+        shown = ", ".join(map(str, first_missing)) + (", ..." if missing_count > len(first_missing) else "")
+        findings.error(
+            "sharded-part-missing", glob, f"parts count from 0 without holes; {missing_count:,} missing: {shown}"
+        )
 
 
 def _check_rank_tensors(
@@ -851,7 +884,8 @@ def _check_serving_files(
         findings.warning(
             "subfolder-pulled",
             f"{folder}/",
-            f"{objects} objects ({total:,} bytes) that vLLM pulls into its cache at start-up; move them elsewhere",
+            f"{objects} object{'' if objects == 1 else 's'} ({total:,} bytes) that vLLM pulls into its cache "
+            "at start-up; move them elsewhere",
         )
 
 
