@@ -195,7 +195,15 @@ def _storage_env(
         if emulator:  # the streamer's native GCS client reads only this name; with the other it hangs
             wanted["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = (emulator, False)
     elif parsed.scheme == "az":
-        account = parsed.account or options.azure_account or environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+        connection = dict(
+            part.split("=", 1) for part in environ.get("AZURE_STORAGE_CONNECTION_STRING", "").split(";") if "=" in part
+        )
+        account = (
+            parsed.account
+            or options.azure_account
+            or environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+            or connection.get("AccountName")
+        )
         if not account:
             raise UsageError(
                 f"no Azure storage account for {options.model}",

@@ -95,6 +95,7 @@ def command(
     from streamctl.errors import MissingProgramError, UsageError, VerificationFailed
     from streamctl.k8s import DEFAULT_VLLM_IMAGE, k8s_name, serve_manifests, to_yaml_documents
     from streamctl.serve import (
+        SECRET_ARGS,
         CheckpointFacts,
         EngramOptions,
         ServeOptions,
@@ -199,6 +200,12 @@ def command(
             output.render_tune_result(tune_result)
 
     if k8s:
+        secret_args = sorted({arg.split("=", 1)[0] for arg in options.vllm_args} & SECRET_ARGS)
+        if secret_args:
+            raise UsageError(
+                f"{secret_args[0]} would be written into the manifest in clear text",
+                hint="put the value in a Kubernetes secret (e.g. HF_TOKEN) and pass --secret NAME",
+            )
         manifests = serve_manifests(
             plan.argv,
             plan.env,
