@@ -1,0 +1,189 @@
+"""vLLM 0.33 as the judge, from the main (torch-free) test venv: thin wrappers over tests/vllm_oracle/.
+
+The oracle scripts run under the separate vLLM venv that `.ci/vllm-env` builds; `.ci/test` exports its
+python as STREAMCTL_VLLM_PYTHON. Without that variable (local development without the 4 GB env) tests that
+need the oracle skip, via `requires_vllm_oracle`; with it set, a broken oracle FAILS the test, never skips.
+Each call is one subprocess, and importing vLLM costs ~5 s: use the `*_many` forms to batch.
+
+    from oracle import requires_vllm_oracle, check_sharded, save_reference, check_serve_args
+
+    @requires_vllm_oracle
+    def test_shard_llama_tp2(tmp_path):
+        hf = write_tiny_checkpoint(tmp_path / "hf", "llama-gqa")        # tests/tiny_models.py
+        run_streamctl_shard(hf, tmp_path / "out", tp=2)                  # your code under test
+        verdict = check_sharded(hf, tmp_path / "out", tp=2)
+        assert verdict["ok"], verdict                                    # per-rank "errors" say why
+
+    save_reference(hf, tmp_path / "ref", tp=2)   # vLLM's own files, to diff names/shapes/bytes against
+    check_serve_args(["s3://b/m", "--load-format", "runai_streamer_sharded"])["ok"]
+
+Result documents (see each script's docstring for every field):
+  check_sharded   {"ok", "ranks": [{"pp_rank", "tp_rank", "ok", "errors", "tensors", "files"}],
+                   "folder_errors", "error"}
+  save_reference  {"ok", "ranks": [{"pp_rank", "tp_rank", "files"}], "tensors": {file: {name: {"dtype",
+                   "shape"}}}, "copied", "error"}
+  check_serve_args {"ok", "model", "load_format", "extra_config", "loader", "env_updates", "error"}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ENV_VAR = "STREAMCTL_VLLM_PYTHON"
+SCRIPTS = Path(__file__).resolve().parent / "vllm_oracle"
+DEFAULT_TIMEOUT_S = 600
+
+requires_vllm_oracle = pytest.mark.skipif(
+    not os.environ.get(ENV_VAR),
+    reason=f"{ENV_VAR} is unset: no vLLM 0.33 oracle venv (CI sets it; locally: "
+    f"export {ENV_VAR}=$(bash .ci/vllm-env | tail -n 1))",
+)
+
+
+class OracleError(RuntimeError):
+    """The oracle could not give a verdict (missing venv, crash, no JSON) -- unlike a verdict of 'not ok'."""
+
+
+def oracle_python() -> str | None:
+    """The oracle venv's python from STREAMCTL_VLLM_PYTHON, or None when unset."""
+    return os.environ.get(ENV_VAR) or None
+
+
+def _run(script: str, args: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    python = oracle_python()
+    if python is None:
+        raise OracleError(f"{ENV_VAR} is unset; guard the test with @requires_vllm_oracle")
+    command = [python, str(SCRIPTS / script), *args]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise OracleError(f"{' '.join(command)}: {error}") from error
+    try:
+        document = json.loads(done.stdout)
+    except ValueError:
+        document = None
+    if done.returncode not in (0, 1) or not isinstance(document, dict):
+        raise OracleError(
+            f"{script} exited {done.returncode} without a verdict\n--- stdout\n{done.stdout[-4000:]}"
+            f"\n--- stderr\n{done.stderr[-8000:]}"
+        )
+    document.setdefault("stderr_tail", done.stderr[-4000:])  # vLLM's own log lines, for failure messages
+    return document
+
+
+def _run_jobs(script: str, jobs: list[Any], key: str, timeout: float) -> list[dict[str, Any]]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="oracle-jobs-", delete=False) as handle:
+        json.dump(jobs, handle)
+    try:
+        document = _run(script, ["--jobs", handle.name], timeout)
+    finally:
+        os.unlink(handle.name)
+    if document.get("error") or len(document.get(key, [])) != len(jobs):
+        raise OracleError(f"{script} --jobs failed: {document.get('error')}\n{document.get('stderr_tail', '')}")
+    results: list[dict[str, Any]] = document[key]
+    return results
+
+
+def _sharded_job(
+    hf_dir: str | Path,
+    sharded_dir: str | Path,
+    tp: int,
+    pp: int = 1,
+    pattern: str | None = None,
+    dtype: str | None = None,
+    load_format: str = "runai_streamer_sharded",
+) -> dict[str, Any]:
+    return {
+        "hf_dir": str(hf_dir),
+        "sharded_dir": str(sharded_dir),
+        "tp": tp,
+        "pp": pp,
+        "pattern": pattern,
+        "dtype": dtype,
+        "load_format": load_format,
+    }
+
+
+def check_sharded(
+    hf_dir: str | Path,
+    sharded_dir: str | Path,
+    tp: int,
+    pp: int = 1,
+    pattern: str | None = None,
+    dtype: str | None = None,
+    load_format: str = "runai_streamer_sharded",
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """vLLM's verdict on SHARDED_DIR as the sharded form of HF_DIR at TP x PP (dtype: config's if None)."""
+    return check_sharded_many([_sharded_job(hf_dir, sharded_dir, tp, pp, pattern, dtype, load_format)], timeout)[0]
+
+
+def check_sharded_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments."""
+    return _run_jobs("check_sharded.py", [_sharded_job(**job) for job in jobs], "jobs", timeout)
+
+
+def _reference_job(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int,
+    pp: int = 1,
+    pattern: str | None = None,
+    dtype: str | None = None,
+    max_size: int | None = None,
+) -> dict[str, Any]:
+    job: dict[str, Any] = {
+        "hf_dir": str(hf_dir),
+        "out_dir": str(out_dir),
+        "tp": tp,
+        "pp": pp,
+        "pattern": pattern,
+        "dtype": dtype,
+    }
+    if max_size is not None:
+        job["max_size"] = max_size
+    return job
+
+
+def save_reference(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    tp: int,
+    pp: int = 1,
+    pattern: str | None = None,
+    dtype: str | None = None,
+    max_size: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Write into OUT_DIR what vLLM's own ShardedStateLoader.save_model writes for HF_DIR at TP x PP.
+
+    max_size: bytes per part (None: vLLM's script default, 5 GiB). Raises OracleError unless it worked.
+    """
+    return save_reference_many([_reference_job(hf_dir, out_dir, tp, pp, pattern, dtype, max_size)], timeout)[0]
+
+
+def save_reference_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Several save_reference jobs in one vLLM process; each job is a dict of save_reference's arguments."""
+    results = _run_jobs("save_reference.py", [_reference_job(**job) for job in jobs], "jobs", timeout)
+    for result in results:
+        if not result["ok"]:
+            raise OracleError(f"save_reference {result['out_dir']}: {result['error']}")
+    return results
+
+
+def check_serve_args(argv: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """vLLM's verdict on `vllm serve ARGV...`: parser, serve validation, load config and model loader."""
+    return check_serve_args_many([argv], timeout)[0]
+
+
+def check_serve_args_many(argvs: Sequence[Sequence[str]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """Several `vllm serve` argument lists in one vLLM process."""
+    return _run_jobs("check_serve_args.py", [list(argv) for argv in argvs], "results", timeout)
