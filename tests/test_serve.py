@@ -344,3 +344,53 @@ def test_tune_without_the_streamer_names_the_extra(demo_model: Path) -> None:
     result = run_cli("serve", str(demo_model), "--tune", "--json")
     assert result.exit_code == 127
     assert "streamctl[streamer]" in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ vLLM as the judge
+
+from oracle import check_serve_args_many, oracle_python, requires_vllm_oracle  # noqa: E402
+
+
+@requires_vllm_oracle
+def test_every_generated_launch_passes_vllms_own_parser() -> None:
+    sharded_facts = CheckpointFacts(8 * GiB, GiB, 2, sharded_ranks=2)
+    launches = [
+        plan("/models/llama"),
+        plan("/models/llama", tensor_parallel_size=2, memory_limit=-1),
+        plan("s3://bkt/llama", tensor_parallel_size=8, memory_limit=5 * GiB),
+        plan("s3://bkt/llama", endpoint_url="https://storage.googleapis.com", memory_limit=0, distributed=False),
+        plan("gs://bkt/gemma", tensor_parallel_size=2, concurrency=32),
+        plan("az://models/llama", azure_account="acct", vllm_args=("--max-model-len", "2048")),
+        plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, facts=sharded_facts, concurrency=4),
+        plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, facts=None,
+             pattern="custom-rank-{rank}-part-{part}.safetensors"),
+    ]
+    verdicts = check_serve_args_many([list(launch.argv[2:]) for launch in launches])
+    for launch, verdict in zip(launches, verdicts):
+        assert verdict["ok"], (launch.argv, verdict)
+        assert verdict["load_format"] == launch.load_format
+        assert verdict["extra_config"] == dict(launch.extra_config)
+
+
+@requires_vllm_oracle
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_tune_with_the_real_streamer(demo_model: Path, where: str, request: pytest.FixtureRequest) -> None:
+    model = str(demo_model)
+    env: dict[str, str] = {}
+    if where == "s3":
+        model = request.getfixturevalue("s3_root")
+        env = request.getfixturevalue("storage_env")
+        _upload(demo_model, model)
+    python = oracle_python()
+    assert python is not None
+    completed = subprocess.run(
+        [python, "-m", "streamctl", "serve", model, "--tune", "--json"],
+        capture_output=True, text=True, env={**os.environ, **env}, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert completed.returncode == 0, completed.stderr
+    document = json.loads(completed.stdout)
+    samples = document["tune"]["samples"]
+    assert [s["concurrency"] for s in samples] == [4, 8, 16, 32]
+    checkpoint_bytes = sum(p.stat().st_size for p in demo_model.glob("*.safetensors"))
+    assert all(0 < s["bytes"] <= checkpoint_bytes for s in samples)
+    assert document["extra_config"]["concurrency"] == document["tune"]["best_concurrency"]
