@@ -150,9 +150,10 @@ class TransferResult:
 
 @dataclass
 class Digests:
-    """sha256 and git blob sha1 of one file, fed in order."""
+    """sha256 (and, when needed, the git blob sha1) of one file, fed in order."""
 
     size: int
+    with_git_sha1: bool = True  # only small hub files are checked by it: skip the CPU for the rest
     sha256: "hashlib._Hash" = field(default_factory=hashlib.sha256)
     git_sha1: "hashlib._Hash" = field(init=False)
 
@@ -161,7 +162,8 @@ class Digests:
 
     def update(self, data: bytes) -> None:
         self.sha256.update(data)
-        self.git_sha1.update(data)
+        if self.with_git_sha1:
+            self.git_sha1.update(data)
 
 
 def _read_chunks(location: Location, path: str, size: int, policy: RetryPolicy) -> Iterator[bytes]:
@@ -175,7 +177,7 @@ def _read_chunks(location: Location, path: str, size: int, policy: RetryPolicy) 
 
 
 def hash_object(location: Location, path: str, size: int, policy: RetryPolicy) -> str:
-    digests = Digests(size)
+    digests = Digests(size, with_git_sha1=False)
     for chunk in _read_chunks(location, path, size, policy):
         digests.update(chunk)
     return digests.sha256.hexdigest()
@@ -442,7 +444,7 @@ class _Engine:
         assert not isinstance(upload, (bytes, type(None)))
         with self.lock:
             self.open_uploads[id(upload)] = upload  # type: ignore[assignment]
-        chain = _HashChain(Digests(file.size))
+        chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
         futures: list[Future[None]] = []
         try:
             for index, start in enumerate(range(0, file.size, part_size)):

@@ -286,13 +286,15 @@ class _Findings:
     kept: list[Finding] = field(default_factory=list)
     counts: Counter[tuple[str, str | None]] = field(default_factory=Counter)
     severities: dict[tuple[str, str | None], Severity] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # the index and config are read in threads
 
     def add(self, severity: Severity, code: str, file: str | None, tensor: str | None, message: str) -> None:
         key = (code, file)
-        self.counts[key] += 1
-        self.severities.setdefault(key, severity)
-        if self.counts[key] <= FINDINGS_PER_CODE_AND_FILE:
-            self.kept.append(Finding(severity, code, file, tensor, message))
+        with self.lock:
+            self.counts[key] += 1
+            self.severities.setdefault(key, severity)
+            if self.counts[key] <= FINDINGS_PER_CODE_AND_FILE:
+                self.kept.append(Finding(severity, code, file, tensor, message))
 
     def error(self, code: str, file: str | None, message: str, tensor: str | None = None) -> None:
         self.add("error", code, file, tensor, message)
@@ -320,10 +322,12 @@ class _Findings:
 class _Reads:
     requests: int = 0
     bytes_read: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, requests: int, bytes_read: int) -> None:
-        self.requests += requests
-        self.bytes_read += bytes_read
+        with self.lock:
+            self.requests += requests
+            self.bytes_read += bytes_read
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -351,8 +355,19 @@ def verify_checkpoint(
     index_name = None if sharded_pattern is not None else _index_name(options, listing)
     layout: Layout = "sharded" if sharded_pattern is not None else ("indexed" if index_name else "single")
 
-    index = _read_index(location, listing, index_name, findings, reads) if index_name else None
-    shards = _read_headers(location, listing, safetensors_names, options, progress)
+    # The index and config.json are read while the headers are: one round trip less on the critical path.
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify-side") as side:
+        index_future = side.submit(_read_index, location, listing, index_name, findings, reads) if index_name else None
+        config_future = (
+            side.submit(
+                _read_small_object, location, listing, CONFIG_NAME, MAX_CONFIG_BYTES, findings, reads, "config-invalid"
+            )
+            if CONFIG_NAME in listing.top_level
+            else None
+        )
+        shards = _read_headers(location, listing, safetensors_names, options, progress)
+        index = index_future.result() if index_future else None
+        config_data = config_future.result() if config_future else None
     for shard in shards:
         reads.add(shard.requests, shard.bytes_read)
         _report_shard(shard, findings)
@@ -369,7 +384,7 @@ def verify_checkpoint(
             )
         _check_consolidated_mix(safetensors_names, findings)
     _check_expectations(options.expectations, shards, index, findings)
-    _check_serving_files(location, listing, safetensors_names, findings, reads)
+    _check_serving_files(listing, safetensors_names, config_data, findings)
 
     stats = VerifyStats(
         files=len(shards),
@@ -863,14 +878,13 @@ def _check_rank_tensors(
 
 
 def _check_serving_files(
-    location: Location, listing: _Listing, safetensors_names: Sequence[str], findings: _Findings, reads: _Reads
+    listing: _Listing, safetensors_names: Sequence[str], config_data: bytes | None, findings: _Findings
 ) -> None:
     """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders."""
     top = listing.top_level
     if CONFIG_NAME in top:
-        data = _read_small_object(location, listing, CONFIG_NAME, MAX_CONFIG_BYTES, findings, reads, "config-invalid")
-        if data is not None:
-            _check_config(data, listing, findings)
+        if config_data is not None:
+            _check_config(config_data, listing, findings)
     elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
     if not any(name in top for name in TOKENIZER_FILES) and not ("vocab.json" in top and "merges.txt" in top):

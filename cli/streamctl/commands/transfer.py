@@ -86,6 +86,7 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.k8s import k8s_name, to_yaml, transfer_job
+    from streamctl.memory import return_large_buffers_to_the_os
     from streamctl.sizes import parse_size
     from streamctl.storage import StorageOptions, open_location
     from streamctl.transfer import (
@@ -133,6 +134,7 @@ def command(
         typer.echo(to_yaml(job), nl=False)
         return
 
+    return_large_buffers_to_the_os()
     storage = dict(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
     source_location = open_location(
         source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value if repo_type else None, **storage)
