@@ -390,3 +390,26 @@ def test_interrupt_aborts_open_multipart_uploads(fake_hub: Any, s3_root: str, st
     assert "Traceback" not in stderr
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert "model.safetensors" not in listing(open_location(s3_root))
+
+
+def test_cli_unwritable_destination_exits_4_naming_the_permission(
+    fake_hub: Any, az_root: str, storage_env: dict[str, str]
+) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+    from servers import AZURITE_ACCOUNT, AZURITE_KEY
+
+    fake_hub.add_repo("org/ro", model_files(big_bytes=64))
+    container = az_root.split("/")[2]
+    endpoint = storage_env["AZURE_STORAGE_CONNECTION_STRING"].split("BlobEndpoint=")[1].split(";")[0]
+    sas = generate_container_sas(
+        AZURITE_ACCOUNT, container, account_key=AZURITE_KEY,
+        permission=ContainerSasPermissions(read=True, list=True),
+        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+    )  # fmt: skip
+    read_only = {**storage_env, "AZURE_STORAGE_CONNECTION_STRING": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"}
+    result = run_cli("transfer", "org/ro", az_root, env=read_only)
+    assert result.exit_code == 4, result.stderr
+    assert "Storage Blob Data Contributor" in result.stderr
+    assert "Traceback" not in result.stderr
