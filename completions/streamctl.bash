@@ -3,16 +3,23 @@ _streamctl() {
     local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" cmd="" i opts
     for ((i = 1; i < COMP_CWORD; i++)); do
         case "${COMP_WORDS[i]}" in
-            serve|transfer|verify-index) cmd="${COMP_WORDS[i]}"; break ;;
+            serve|shard|transfer|verify-index) cmd="${COMP_WORDS[i]}"; break ;;
         esac
     done
     case "$cmd" in
-        "") opts="--debug --quiet -q --version --help -h serve transfer verify-index" ;;
+        "") opts="--debug --quiet -q --version --help -h serve shard transfer verify-index" ;;
         serve)
             case "$prev" in
                 --tensor-parallel-size|-tp|--concurrency|--memory-limit|--pattern|--namespace|--name|--image|--service-account|--accelerator|--secret|--cpu-weight-files|--cpu-memory-limit|--engram|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
             opts="--tensor-parallel-size -tp --concurrency --memory-limit --distributed --no-distributed --sharded --not-sharded --pattern --tune --preflight --no-preflight --dry-run --k8s --namespace --name --image --service-account --accelerator --secret --cpu-weight-files --cpu-memory-limit --engram --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+        shard)
+            case "$prev" in
+                --dtype) COMPREPLY=($(compgen -W "auto bfloat16 float16 float32" -- "$cur")); return ;;
+                --engine) COMPREPLY=($(compgen -W "offline vllm" -- "$cur")); return ;;
+                --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+            esac
+            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --force --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         transfer)
             case "$prev" in
                 --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from streamctl import __version__, output
-from streamctl.commands import serve, transfer, verify_index
+from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.errors import EXIT_INTERRUPTED, StreamctlError
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
@@ -46,6 +46,7 @@ def _global_options(
 
 app.command("transfer", no_args_is_help=True)(transfer.command)
 app.command("verify-index", no_args_is_help=True)(verify_index.command)
+app.command("shard", no_args_is_help=True)(shard.command)
 app.command("serve", no_args_is_help=True)(serve.command)
 
 

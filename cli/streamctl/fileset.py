@@ -125,3 +125,16 @@ def select_files(
             choice = Selection(path, False, "--exclude")
         selections.append(choice)
     return selections
+
+
+def select_serving_files(paths: Iterable[str], *, has_auto_map: bool) -> list[str]:
+    """The files `shard` copies next to the sharded weights: what vLLM needs to serve (config, generation
+    config, tokenizer, custom code when auto_map names it), without the source's weights and its now-stale
+    index (`shard` writes its own weights), `original/`, sub-folders, or any streamctl manifest."""
+    return [
+        selection.path
+        for selection in select_files(paths, has_auto_map=has_auto_map)
+        if selection.selected
+        and not selection.path.endswith((".safetensors", ".safetensors.index.json"))
+        and not selection.path.startswith("streamctl-")
+    ]

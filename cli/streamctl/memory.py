@@ -26,3 +26,27 @@ def return_large_buffers_to_the_os() -> bool:
         return bool(libc.mallopt(_M_MMAP_THRESHOLD, _ONE_MIB))
     except (OSError, AttributeError):
         return False
+
+
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameter
+_MMAP_THRESHOLD_MAX = 32 << 20  # the largest threshold glibc accepts on 64-bit
+
+
+def keep_freed_buffers_in_the_heap() -> bool:
+    """The opposite trade for `shard`: serve allocations below 32 MiB from the heap and keep up to 256 MiB
+    of freed heap, so the next block buffer reuses pages instead of faulting (and zeroing) fresh ones.
+
+    `shard` allocates and frees a few-MiB buffer per block read, per column copy and per part assembled;
+    measured on a 3.1 GB shard at TP 2: writing took ~3.6 s instead of ~4.3 s (kernel time 3.2 s instead
+    of 4.2 s), for ~80 MiB more peak RSS (~350 MiB). No-op off glibc.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(_M_TRIM_THRESHOLD, 256 << 20))
+    except (OSError, AttributeError):
+        return False

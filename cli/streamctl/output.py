@@ -248,3 +248,62 @@ def render_tune_result(result: TuneResult) -> None:
     if not settings.quiet:
         console.print(table)
         console.print(f"using concurrency {best}", highlight=False)
+
+
+# =========================================================================================================
+# shard (appended section)
+
+if TYPE_CHECKING:
+    from streamctl.shard import ShardResult
+
+
+def render_shard_result(result: ShardResult) -> None:
+    """The files written per rank, then one line for the run and one for the checks."""
+    from rich.table import Table
+
+    plan = result.plan
+    console = stdout()
+    table = Table(header_style="bold", title=escape(f"{plan.source} -> {plan.dest}"))
+    for column in ("pp", "tp", "part", "file", "size", "tensors", "sha256"):
+        numeric = column in ("pp", "tp", "part", "size", "tensors")
+        table.add_column(column, overflow="fold", justify="right" if numeric else "left")
+    for file in result.files:
+        table.add_row(
+            str(file.pp_rank),
+            str(file.tp_rank),
+            str(file.part),
+            escape(file.path),
+            human_bytes(file.size),
+            str(len(file.tensors)),
+            file.sha256[:16],
+        )
+    console.print(table)
+    parallel = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
+    layout = f"{parallel}, {plan.row.label}, pattern {plan.pattern}"
+    removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
+    console.print(
+        f"[bold green]done[/] {escape(plan.dest)} ({escape(layout)}, engine {result.engine}): {len(result.files)} "
+        f"weight files and {len(result.copied)} serving files{removed}; {human_bytes(result.bytes_written)} in "
+        f"{result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
+        highlight=False,
+    )
+    render_shard_checks(result)
+
+
+def render_shard_checks(result: ShardResult) -> None:
+    """Both post-write checks; the verify findings and reconstruction problems when they failed."""
+    console = stdout()
+    if not result.verify.ok:
+        render_verify_report(result.verify)
+    reconstruction = result.reconstruction
+    if reconstruction is not None and not reconstruction.ok:
+        for problem in reconstruction.problems:
+            console.print(f"[red]reconstruction:[/] {escape(problem)}", highlight=False)
+    verify = "[green]OK[/]" if result.verify.ok else "[bold red]FAILED[/]"
+    if reconstruction is None:
+        rebuilt = "[yellow]skipped[/] (architecture outside the layout table)"
+    else:
+        state = "[green]OK[/]" if reconstruction.ok else "[bold red]FAILED[/]"
+        compared = human_bytes(reconstruction.bytes_compared)
+        rebuilt = f"{state} ({reconstruction.tensors} source tensors, {compared} compared)"
+    console.print(f"checks: verify-index --sharded {verify}; reconstruction {rebuilt}", highlight=False)

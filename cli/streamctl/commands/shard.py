@@ -1,0 +1,130 @@
+"""`streamctl shard`: write vLLM sharded-state files on a CPU, locally or straight into a bucket."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from typing import Annotated, Optional
+
+import typer
+
+from streamctl import output
+from streamctl.commands.common import (
+    AzureAccountOption,
+    DebugOption,
+    EndpointOption,
+    JsonOption,
+    PathStyleOption,
+    QuietOption,
+    apply_output_flags,
+)
+
+
+class DtypeOption(str, Enum):
+    auto = "auto"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float32 = "float32"
+
+
+class EngineOption(str, Enum):
+    offline = "offline"
+    vllm = "vllm"
+
+
+def command(
+    source: Annotated[
+        str, typer.Argument(help="Hugging Face safetensors checkpoint: a local folder or bucket prefix.")
+    ],
+    dest: Annotated[str, typer.Argument(help="Local folder or s3://, gs://, az:// prefix for the sharded files.")],
+    tensor_parallel_size: Annotated[
+        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks to shard for (required).")
+    ],
+    pipeline_parallel_size: Annotated[
+        int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Pipeline stages (vLLM's layer split).")
+    ] = 1,
+    pattern: Annotated[
+        Optional[str],
+        typer.Option(
+            "--pattern",
+            help="File name pattern with {rank} or {tp_rank}, {pp_rank}, {part} "
+            "(default: vLLM's, model-rank-{rank}-part-{part}.safetensors, "
+            "or model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors with PP > 1).",
+            show_default=False,
+        ),
+    ] = None,
+    max_part_size: Annotated[
+        str, typer.Option("--max-part-size", metavar="SIZE", help="Start a new part file beyond this size.")
+    ] = "5GiB",
+    dtype: Annotated[
+        DtypeOption, typer.Option("--dtype", help="Cast the weights; auto keeps the checkpoint's dtype.")
+    ] = DtypeOption.auto,
+    vllm_version: Annotated[
+        Optional[str],
+        typer.Option(
+            "--vllm-version",
+            metavar="V",
+            help="vLLM version whose layout to write (default: the installed vllm's, else the newest known).",
+            show_default=False,
+        ),
+    ] = None,
+    engine: Annotated[
+        EngineOption,
+        typer.Option("--engine", help="offline: streamctl's CPU writer; vllm: vLLM's own save (needs GPUs)."),
+    ] = EngineOption.offline,
+    force: Annotated[
+        bool, typer.Option("--force", help="Write into a DEST that holds files; remove old weights there.")
+    ] = False,
+    endpoint_url: EndpointOption = None,
+    path_style: PathStyleOption = None,
+    azure_account: AzureAccountOption = None,
+    json_output: JsonOption = False,
+    quiet: QuietOption = False,
+    debug: DebugOption = False,
+) -> None:
+    """Write vLLM sharded-state files for a tensor/pipeline-parallel size without GPUs.
+
+    Llama, Mistral, Qwen2 and Qwen3 checkpoints are re-partitioned on the CPU in blocks of a few MiB (memory
+    stays bounded whatever the model's size) and streamed to DEST; config, generation config, tokenizer and
+    custom code are copied next to them. Afterwards verify-index --sharded and a bit-for-bit reconstruction of every
+    source tensor must pass. VLLM_PP_LAYER_PARTITION overrides the layer split as in vLLM.
+    Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
+    """
+    apply_output_flags(json_output, quiet, debug)
+    from streamctl.memory import keep_freed_buffers_in_the_heap
+    from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
+    from streamctl.sizes import parse_size
+    from streamctl.storage import StorageOptions, open_location
+    from streamctl.transfer import source_identity
+
+    options = ShardOptions(
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        pattern=pattern,
+        max_part_size=parse_size(max_part_size, "--max-part-size"),
+        dtype=dtype.value,
+        vllm_version=vllm_version,
+        engine=engine.value,
+        force=force,
+        layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
+    )
+    options.validate()
+    keep_freed_buffers_in_the_heap()
+    storage = StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+    source_location = open_location(source, storage)
+    dest_location = open_location(dest, storage)
+    try:
+        with output.progress(byte_counts=True) as progress:
+            result = shard_checkpoint(
+                source_location, dest_location, options, progress, source_identity(source_location)
+            )
+    except ShardCheckFailed as failure:
+        if output.settings.json:
+            output.print_json(failure.result.to_json())
+        else:
+            output.render_shard_checks(failure.result)
+        raise
+    if output.settings.json:
+        output.print_json(result.to_json())
+    else:
+        output.render_shard_result(result)
