@@ -394,3 +394,16 @@ def test_tune_with_the_real_streamer(demo_model: Path, where: str, request: pyte
     checkpoint_bytes = sum(p.stat().st_size for p in demo_model.glob("*.safetensors"))
     assert all(0 < s["bytes"] <= checkpoint_bytes for s in samples)
     assert document["extra_config"]["concurrency"] == document["tune"]["best_concurrency"]
+
+
+def test_experimental_flags_refused_when_the_index_disagrees(demo_model: Path) -> None:
+    flags = ["--cpu-weight-files", "model-00002-of-00002.safetensors", "--cpu-memory-limit", "1GiB"]
+    misplaced = run_cli("serve", str(demo_model), "--json", *flags, "--engram", "model.embed_tokens.*")
+    assert misplaced.exit_code == 1
+    assert "expect-violated" in misplaced.stderr
+    placed = run_cli("serve", str(demo_model), "--json", *flags, "--engram", "lm_head.*")
+    assert placed.exit_code == 0, placed.stderr
+    assert placed.json()["env"]["VLLM_RUNAI_CPU_WEIGHT_FILES"] == "model-00002-of-00002.safetensors"
+    assert placed.json()["experimental"] is True
+    unchecked = run_cli("serve", str(demo_model), "--json", *flags, "--engram", "lm_head.*", "--no-preflight")
+    assert unchecked.exit_code == 2

@@ -413,3 +413,31 @@ def test_cli_unwritable_destination_exits_4_naming_the_permission(
     assert result.exit_code == 4, result.stderr
     assert "Storage Blob Data Contributor" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_k8s_job_is_a_valid_job_without_the_token() -> None:
+    import yaml
+    from kubernetes import client
+
+    token = "hf_k8sSECRET4242"
+    result = run_cli("transfer", "meta-llama/Llama-3.1-70B", "gs://models-usc/llama-70b", "--k8s-job",
+                     "--service-account", "gcs-access", "--secret", "hf-token", "--token", token,
+                     "--include", "*.py", "--revision", "v1")
+    assert result.exit_code == 0, result.stderr
+    assert token not in result.stdout + result.stderr
+    document = yaml.safe_load(result.stdout)
+    api = client.ApiClient()
+
+    class _Response:
+        def __init__(self, data: object) -> None:
+            self.data = json.dumps(data)
+
+    assert api.sanitize_for_serialization(api.deserialize(_Response(document), "V1Job")) == document
+    pod = document["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gcs-access"
+    container = pod["containers"][0]
+    assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
+    command = " ".join(container["command"])
+    for expected in ("streamctl transfer hf://meta-llama/Llama-3.1-70B gs://models-usc/llama-70b",
+                     "--revision=v1", "'--include=*.py'"):
+        assert expected in command
