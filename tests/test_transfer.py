@@ -441,3 +441,27 @@ def test_k8s_job_is_a_valid_job_without_the_token() -> None:
     for expected in ("streamctl transfer hf://meta-llama/Llama-3.1-70B gs://models-usc/llama-70b",
                      "--revision=v1", "'--include=*.py'"):
         assert expected in command
+
+
+def test_faults_on_the_destination_still_end_byte_exact(
+    fake_hub: Any, s3_root: str, storage_servers: Any
+) -> None:
+    from faultproxy import FaultProxy
+
+    files = model_files()
+    fake_hub.add_repo("org/dest-faults", files)
+    port = int(storage_servers.s3().endpoint.rsplit(":", 1)[1])
+    dest_url = s3_root
+    proxy = FaultProxy(port, fail_503=frozenset({2, 5, 9}), reset=frozenset({3, 7})).start()
+    try:
+        source = open_location("hf://org/dest-faults")
+        dest = open_location(dest_url, StorageOptions(endpoint_url=proxy.url, path_style=True, max_attempts=3))
+        plan = plan_transfer(source, dest, source_identity(source), OPTIONS)
+        execute_transfer(plan, source, dest, OPTIONS)
+    finally:
+        proxy.stop()
+    assert proxy.faults >= 3, f"only {proxy.faults} faults over {proxy.connections} connections"
+    direct = open_location(dest_url)
+    for name in SERVING_FILES:
+        assert read_all(direct, name) == files[name]
+    assert json.loads(read_all(direct, MANIFEST_NAME))["source"] == "hf://org/dest-faults"
