@@ -31,7 +31,7 @@ import json
 import os
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -57,6 +57,27 @@ def emit(out: IO[str], document: dict[str, Any]) -> None:
     """Print the script's single JSON document."""
     out.write(json.dumps(document, indent=1, sort_keys=True) + "\n")
     out.flush()
+
+
+def run_jobs_file(
+    out: IO[str],
+    path: str,
+    run_one: Callable[[Any], dict[str, Any]],
+    key: str = "jobs",
+    validate: Callable[[Any], None] | None = None,
+) -> int:
+    """Run every job of a JSON jobs file in this one vLLM process; emit one document; return the exit code."""
+    try:
+        jobs = json.loads(Path(path).read_text())
+        if validate is not None:
+            validate(jobs)
+    except (OSError, ValueError) as error:
+        emit(out, {"ok": False, key: [], "error": describe(error)})
+        return 2
+    documents = [run_one(job) for job in jobs]
+    ok = all(document["ok"] for document in documents)
+    emit(out, {"ok": ok, key: documents, "error": None})
+    return 0 if ok else 1
 
 
 def describe(error: BaseException) -> str:

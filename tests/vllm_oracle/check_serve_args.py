@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 import _harness as h
@@ -86,21 +84,16 @@ def check_argv(argv: list[str]) -> dict[str, Any]:
     return result
 
 
+def _validate_jobs(jobs: object) -> None:
+    if not isinstance(jobs, list) or not all(isinstance(job, list) and all(isinstance(a, str) for a in job) for job in jobs):
+        raise ValueError("--jobs must hold a JSON list of lists of strings")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     out = h.redirect_stdout_to_stderr()
     if argv[:1] == ["--jobs"] and len(argv) == 2:
-        try:
-            jobs = json.loads(Path(argv[1]).read_text())
-            if not all(isinstance(job, list) and all(isinstance(a, str) for a in job) for job in jobs):
-                raise ValueError("--jobs must hold a JSON list of lists of strings")
-        except (OSError, ValueError) as error:
-            h.emit(out, {"ok": False, "results": [], "error": h.describe(error)})
-            return 2
-        results = [check_argv(job) for job in jobs]
-        ok = all(result["ok"] for result in results)
-        h.emit(out, {"ok": ok, "results": results, "error": None})
-        return 0 if ok else 1
+        return h.run_jobs_file(out, argv[1], check_argv, key="results", validate=_validate_jobs)
     if argv[:1] != ["--"]:
         print(__doc__, file=sys.stderr)
         h.emit(out, {"ok": False, "error": "usage: check_serve_args.py -- ARGV...  |  --jobs FILE"})

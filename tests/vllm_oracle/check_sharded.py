@@ -200,15 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = h.redirect_stdout_to_stderr()
     if args.jobs:
-        try:
-            jobs = json.loads(Path(args.jobs).read_text())
-        except (OSError, ValueError) as error:
-            h.emit(out, {"ok": False, "jobs": [], "error": h.describe(error)})
-            return 2
-        documents = [check_job(job) for job in jobs]
-        ok = all(document["ok"] for document in documents)
-        h.emit(out, {"ok": ok, "jobs": documents, "error": None})
-        return 0 if ok else 1
+        return h.run_jobs_file(out, args.jobs, check_job)
     if not (args.hf_dir and args.sharded_dir and args.tp):
         parser.error("HF_DIR, SHARDED_DIR and --tp are required (or --jobs)")
     document = check_job(

@@ -23,11 +23,9 @@ Prints ONE JSON document:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import traceback
-from pathlib import Path
 from typing import Any
 
 # Every checkpoint here is a local folder: never wait on a hub. (Not for check_serve_args.py: offline mode
@@ -103,15 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = h.redirect_stdout_to_stderr()
     if args.jobs:
-        try:
-            jobs = json.loads(Path(args.jobs).read_text())
-        except (OSError, ValueError) as error:
-            h.emit(out, {"ok": False, "jobs": [], "error": h.describe(error)})
-            return 2
-        documents = [save_job(job) for job in jobs]
-        ok = all(document["ok"] for document in documents)
-        h.emit(out, {"ok": ok, "jobs": documents, "error": None})
-        return 0 if ok else 1
+        return h.run_jobs_file(out, args.jobs, save_job)
     if not (args.hf_dir and args.out_dir and args.tp):
         parser.error("HF_DIR, OUT_DIR and --tp are required (or --jobs)")
     document = save_job(

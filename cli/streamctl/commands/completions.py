@@ -137,7 +137,7 @@ def _zsh_option(option: OptionSpec) -> str:
 
 def zsh_script() -> str:
     global_options, commands = command_tree()
-    lines = [f"#compdef streamctl", f"# zsh completion for streamctl -- {HEADER}", "", "_streamctl() {",
+    lines = ["#compdef streamctl", f"# zsh completion for streamctl -- {HEADER}", "", "_streamctl() {",
              "    local curcontext=\"$curcontext\" state line", "    typeset -A opt_args", "    _arguments -C \\"]
     lines += [f"        {_zsh_option(option)} \\" for option in global_options]
     lines += ["        '1: :->command' \\", "        '*:: :->args'", "    case $state in", "        command)",
