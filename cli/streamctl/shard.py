@@ -89,6 +89,7 @@ from streamctl.sharded import (
     validate_pattern,
 )
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
+from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, part_size_for
 from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
 
@@ -1126,10 +1127,20 @@ class PartStream:
         self.pending_bytes = 0
         self.next_part = 0
         self.written = 0
+        # A local file: write each chunk in place at its offset (the store's part layout is only offsets),
+        # which spares the copy that assembling a part takes. The upload still owns the file: complete()
+        # fsyncs and renames it, abort() removes it.
+        self._local: LocalMultipartUpload | None = (
+            self.upload if isinstance(self.upload, LocalMultipartUpload) else None
+        )
 
     def write(self, chunk: bytes | memoryview) -> None:
         view = memoryview(chunk).cast("B")
         self.digest.update(view)
+        if self._local is not None:
+            self._local.write_at(self.written, view)
+            self.written += len(view)
+            return
         self.written += len(view)
         while view:
             room = self.part_size - self.pending_bytes
@@ -1144,7 +1155,7 @@ class PartStream:
             self.pending_bytes = 0
 
     def finish(self) -> str:
-        if self.pending or self.next_part == 0:
+        if self._local is None and (self.pending or self.next_part == 0):
             self._send(b"".join(self.pending))
             self.pending.clear()
             self.pending_bytes = 0

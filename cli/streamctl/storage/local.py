@@ -85,10 +85,20 @@ class LocalMultipartUpload:
             raise _map_os_error(error, self.final_path) from None
 
     def upload_part(self, index: int, data: bytes) -> None:
+        self.write_at(index * self.part_size, data)
+
+    def write_at(self, offset: int, data: bytes | memoryview) -> None:
+        """Write bytes at any offset, looping on short writes (Linux writes at most ~2 GiB per call).
+
+        Also for writers that stream a file in order (shard): it spares assembling fixed-size parts."""
         if self._fd is None:
             raise UsageError(f"upload of {self.key} is already finished")
+        view = memoryview(data).cast("B")
         try:
-            os.pwrite(self._fd, data, index * self.part_size)
+            while view:
+                done = os.pwrite(self._fd, view, offset)
+                view = view[done:]
+                offset += done
         except OSError as error:
             raise _map_os_error(error, self.final_path) from None
 
