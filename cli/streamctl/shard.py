@@ -90,7 +90,7 @@ from streamctl.sharded import (
 )
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
 from streamctl.storage.local import LocalMultipartUpload
-from streamctl.transfer import SHA256_KEY, ByteBudget, part_size_for
+from streamctl.transfer import SHA256_KEY, ByteBudget, part_size_for, put_json
 from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
@@ -1651,8 +1651,7 @@ def write_manifest(dest: Location, result: ShardResult) -> None:
         ],
         "files": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in result.copied],
     }
-    body = json.dumps(manifest, indent=2).encode() + b"\n"
-    dest.store.put(dest.key(SHARD_MANIFEST_NAME), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
+    put_json(dest, SHARD_MANIFEST_NAME, manifest)
 
 
 # =============================================================================================== entry points

@@ -531,8 +531,13 @@ def write_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, 
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
     }
-    body = json.dumps(manifest, indent=2).encode() + b"\n"
-    dest.store.put(dest.key(MANIFEST_NAME), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
+    put_json(dest, MANIFEST_NAME, manifest)
+
+
+def put_json(location: Location, name: str, document: object) -> None:
+    """Write a small JSON document (a manifest) with its sha256 as metadata, like every object we write."""
+    body = json.dumps(document, indent=2).encode() + b"\n"
+    location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
 
 
 def execute_transfer(
