@@ -7,7 +7,8 @@ folder), copied with `cp` (and `sync` of the copies, because streamctl fsyncs ev
 sharded by `streamctl shard` as a subprocess for each TP size; each output is removed before the next run.
 Every measurement starts alike: dirty pages synced, the page cache dropped when this process may
 (root: /proc/sys/vm/drop_caches), then the source read once so it is cached. Each is repeated (--repeat)
-and the median is reported, because a shared machine's disk and memory reclaim make single runs noisy.
+in rounds (cp, then each TP size, back to back); each run's ratio is taken against its own round's cp and
+the median of those ratios is reported, because this machine's disk and memory speed drift within minutes.
 
 Reported per run: seconds end to end (plan, write, copy the serving files, verify-index and the bit-for-bit
 reconstruction check, which reads everything back), seconds until the weights were complete (the
@@ -24,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -150,7 +152,7 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=6, help="decoder layers (~416 MiB each)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--dir", type=Path, default=None, help="parent folder for the scratch data")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each measurement (the median is shown)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds (the median is shown)")
     args = parser.parse_args()
 
     with scratch_dir("streamctl-bench-shard-") if args.dir is None else _fixed(args.dir) as scratch:
@@ -163,45 +165,55 @@ def main() -> int:
             flush=True,
         )
         cp_bytes = sum(file.stat().st_size for file in (scratch / "hf").glob("*.safetensors"))
-        cp_seconds = median([time_cp(scratch / "hf", scratch / "cp") for _ in range(args.repeat)])
-        cp_rate = cp_bytes / cp_seconds
-        table = Table(["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "peak RSS"])
-        table.add("cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", "")
         rss_limit = 2 * largest + 256 * MiB
+        cp_runs: list[float] = []
+        runs: dict[int, list[ShardRun]] = {tp: [] for tp in args.tp}
+        # Rounds, not blocks: cp and every TP size run back to back in each round, and each streamctl run
+        # is compared with its own round's cp. This machine's disk and memory drift by 3x within minutes
+        # (cp + sync of the same 3.1 GB took 1.3 s and 4.0 s in one session); a ratio taken within a round
+        # sees the same drift on both sides, a ratio of medians from separate blocks does not.
+        for round_number in range(args.repeat):
+            cp_runs.append(time_cp(scratch / "hf", scratch / "cp"))
+            for tp in args.tp:
+                run = time_shard(scratch, tp)
+                if run is None:
+                    return 1
+                runs[tp].append(run)
+            print(
+                f"round {round_number + 1}: cp {cp_runs[-1]:.2f} s, "
+                + ", ".join(f"TP {tp} {runs[tp][-1].seconds:.2f} s" for tp in args.tp),
+                flush=True,
+            )
+        cp_seconds = median(cp_runs)
+        cp_rate = cp_bytes / cp_seconds
+        table = Table(
+            ["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "peak RSS"]
+        )
+        table.add("cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", "")
         verdicts = []
         for tp in args.tp:
-            runs = []
-            for _ in range(args.repeat):
-                out = scratch / f"tp{tp}"
-                settle(scratch / "hf")
-                command = [*STREAMCTL, "shard", str(scratch / "hf"), str(out), "-tp", str(tp), "--json"]
-                run = run_measured(command, env=dict(os.environ), watch=scratch / f"watch{tp}")
-                if run.returncode != 0:
-                    print(run.stderr, file=sys.stderr)
-                    return 1
-                document = json.loads(run.stdout)
-                checks = document["checks"]
-                assert checks["verify"]["ok"] and checks["reconstruction"]["ok"]
-                runs.append((run.seconds, document["write_seconds"], run.peak_rss, document["bytes_written"]))
-                shutil.rmtree(out)
-            seconds, write_seconds = median([run[0] for run in runs]), median([run[1] for run in runs])
-            peak_rss, written = max(run[2] for run in runs), runs[0][3]
-            rate, write_rate = written / seconds, written / write_seconds
+            written = runs[tp][0].bytes_written
+            # x cp = (bytes / seconds) / (cp bytes / cp seconds), per round; the median of the rounds.
+            ratios = [written / run.seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs)]
+            write_ratios = [written / run.write_seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs)]
+            seconds = median([run.seconds for run in runs[tp]])
+            peak_rss = max(run.peak_rss for run in runs[tp])
             table.add(
                 f"streamctl shard -tp {tp}",
                 human_bytes(written),
                 f"{seconds:.2f}",
-                f"{rate / 1e6:.0f}",
-                f"{rate / cp_rate:.2f}",
-                f"{write_seconds:.2f}",
-                f"{write_rate / cp_rate:.2f}",
+                f"{written / seconds / 1e6:.0f}",
+                f"{median(ratios):.2f}",
+                f"{median([run.write_seconds for run in runs[tp]]):.2f}",
+                f"{median(write_ratios):.2f}",
                 human_bytes(peak_rss),
             )
             verdicts.append(
                 verdict(
-                    rate >= 0.7 * cp_rate,
+                    median(ratios) >= 0.7,
                     f"throughput TP {tp}",
-                    f"{rate / cp_rate:.2f} x cp end to end (target >= 0.7)",
+                    f"{median(ratios):.2f} x cp end to end, the median of per-round ratios "
+                    f"({', '.join(f'{ratio:.2f}' for ratio in ratios)}; target >= 0.7)",
                 )
             )
             verdicts.append(
@@ -215,6 +227,30 @@ def main() -> int:
         for line in verdicts:
             print(line)
         return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+
+
+@dataclass(frozen=True)
+class ShardRun:
+    seconds: float
+    write_seconds: float
+    peak_rss: int
+    bytes_written: int
+
+
+def time_shard(scratch: Path, tp: int) -> ShardRun | None:
+    """One `streamctl shard` run from the same starting point as cp's; its output is removed afterwards."""
+    out = scratch / f"tp{tp}"
+    settle(scratch / "hf")
+    command = [*STREAMCTL, "shard", str(scratch / "hf"), str(out), "-tp", str(tp), "--json"]
+    run = run_measured(command, env=dict(os.environ), watch=scratch / f"watch{tp}")
+    if run.returncode != 0:
+        print(run.stderr, file=sys.stderr)
+        return None
+    document = json.loads(run.stdout)
+    checks = document["checks"]
+    assert checks["verify"]["ok"] and checks["reconstruction"]["ok"]
+    shutil.rmtree(out)
+    return ShardRun(run.seconds, document["write_seconds"], run.peak_rss, document["bytes_written"])
 
 
 class _fixed:

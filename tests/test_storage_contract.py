@@ -746,3 +746,19 @@ def test_parse_url_refuses_a_sas_url_without_echoing_the_token() -> None:
     with pytest.raises(UsageError) as caught:
         parse_url("https://acct.blob.core.windows.net/container/prefix?sv=2024-01-01&sig=SECRET%2Fx")
     assert "SECRET" not in caught.value.message and "AZURE_STORAGE_SAS_TOKEN" in (caught.value.hint or "")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only")
+def test_local_writes_start_writeback_best_effort(tmp_path: Path) -> None:
+    """The local store asks the kernel to write back as it goes (so completing a multi-GB file does not
+    wait on one huge fsync); the call is found on Linux, and a refusal never surfaces as an error."""
+    from streamctl import _libc
+
+    assert _libc._sync_file_range() is not None
+    _libc.start_writeback(-1, 0, 4096)  # EBADF is ignored: writeback is an optimisation, fsync still follows
+    store = open_location(str(tmp_path)).store
+    upload = store.start_multipart("big.bin", 1 << 20)
+    upload.upload_part(0, b"a" * (1 << 20))
+    upload.upload_part(1, b"b" * 10)
+    upload.complete()
+    assert (tmp_path / "big.bin").read_bytes() == b"a" * (1 << 20) + b"b" * 10

@@ -14,9 +14,11 @@ Skipped only when STREAMCTL_VLLM_PYTHON is unset (.ci/test sets it from .ci/vllm
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -142,9 +144,57 @@ NEGATIVES = {
 }
 
 
+# `shard --engine vllm` needs GPUs to run vLLM's engine, so here vLLM's own save_model output (the
+# references) stands in for what the engine saved, and the rest of the path runs for real: renumbering
+# around vLLM's empty parts, copying to DEST, the manifest and both checks; then vLLM loads the result.
+ENGINE_CASES: dict[str, tuple[str, int, int, str | None, int | None]] = {
+    # reference name: (kind, tp, pp, pattern, max part size)
+    "llama-gqa-tp2-small-parts": ("llama-gqa", 2, 1, None, SMALL_PARTS),
+    "qwen2-tp2-custom-pattern": ("qwen2", 2, 1, CUSTOM_PATTERN, None),
+    "mistral-tp2-pp2": ("mistral", 2, 2, None, None),
+    "llama-tied-tp4": ("llama-tied", 4, 1, None, None),
+}
+
+
+@pytest.fixture(scope="module")
+def engine_outputs(
+    workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
+) -> dict[str, tuple[Path, Any, list[list[str]]]]:
+    """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm`."""
+    import streamctl.shard as shard_module
+    from streamctl.shard import ShardOptions
+    from streamctl.storage import open_location
+
+    outputs = {}
+    for name, (kind, tp, pp, pattern, max_size) in ENGINE_CASES.items():
+        reference = references[name][0]
+        commands: list[list[str]] = []
+
+        def saved_by_vllm(command: list[str], reference: Path = reference, commands: list = commands) -> Any:
+            commands.append(command)
+            for file in reference.glob("*.safetensors"):  # what vLLM's save_sharded_state writes: weights only
+                shutil.copy(file, Path(json.loads(command[-1])["output"]) / file.name)
+            return subprocess.CompletedProcess(command, 0, "", "")
+
+        options = ShardOptions(
+            tp, pipeline_parallel_size=pp, pattern=pattern, engine="vllm", **({"max_part_size": max_size} if max_size else {})
+        )
+        dest = workdir / "engine" / name
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(shard_module, "check_vllm_engine_available", lambda: None)
+            result = shard_module.shard_with_vllm(
+                open_location(str(hf_dirs[kind])), open_location(str(dest)), options, runner=saved_by_vllm
+            )
+        outputs[name] = (dest, result, commands)
+    return outputs
+
+
 @pytest.fixture(scope="module")
 def verdicts(
-    workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
+    workdir: Path,
+    hf_dirs: dict[str, Path],
+    references: dict[str, tuple[Path, dict[str, Any]]],
+    engine_outputs: dict[str, tuple[Path, Any, list[list[str]]]],
 ) -> dict[str, dict[str, Any]]:
     """check_sharded on every reference (must pass) and on the damaged copies (must fail): one process."""
     jobs: dict[str, dict[str, Any]] = {
@@ -164,6 +214,14 @@ def verdicts(
     }
     # The same files through vLLM's plain safetensors path (load format sharded_state) as well.
     jobs["llama-gqa-tp2-sharded_state"] = {**jobs["llama-gqa-tp2"], "load_format": "sharded_state"}
+    for name, (kind, tp, pp, pattern, _) in ENGINE_CASES.items():
+        jobs[f"engine-vllm-{name}"] = {
+            "hf_dir": hf_dirs[kind],
+            "sharded_dir": engine_outputs[name][0],
+            "tp": tp,
+            "pp": pp,
+            "pattern": pattern,
+        }
     for name, (file_name, tensor, how, _) in NEGATIVES.items():
         target = workdir / "damaged" / name
         _corrupt(references["llama-gqa-tp2"][0], target, file_name, tensor, how)
@@ -338,3 +396,41 @@ def test_vllm_splits_parts_and_writes_an_empty_first_part(
         rank["warnings"] == [f"model-rank-{rank['tp_rank']}-part-0.safetensors: no tensors"]
         for rank in verdict["ranks"]
     )
+
+
+@pytest.mark.parametrize("name", list(ENGINE_CASES))
+def test_engine_vllm_path_on_vllms_own_files(
+    references: dict[str, tuple[Path, dict[str, Any]]],
+    engine_outputs: dict[str, tuple[Path, Any, list[list[str]]]],
+    verdicts: dict[str, dict[str, Any]],
+    name: str,
+) -> None:
+    """DEST holds vLLM's bytes unchanged (only empty parts dropped and the rest renumbered from 0), both
+    checks and the manifest agree, and vLLM 0.33 loads DEST with no warning."""
+    kind, tp, pp, pattern, max_size = ENGINE_CASES[name]
+    reference, _ = references[name]
+    dest, result, commands = engine_outputs[name]
+    arguments = json.loads(commands[0][-1])
+    assert (arguments["tensor_parallel_size"], arguments["pipeline_parallel_size"]) == (tp, pp)
+    assert arguments["max_size"] == (max_size or 5 * 1024**3) and arguments["pattern"] == result.plan.pattern
+    assert result.engine == "vllm" and result.ok
+    assert result.reconstruction is not None and result.reconstruction.ok and result.reconstruction.tensors > 0
+    non_empty = sorted(
+        (path for path in reference.glob("*.safetensors") if read_safetensors(path)), key=lambda path: path.name
+    )
+    digest = {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in dest.glob("*.safetensors")}
+    assert sorted(digest.values()) == sorted(hashlib.sha256(path.read_bytes()).hexdigest() for path in non_empty)
+    if max_size:  # vLLM's empty part 0 is gone: parts count from 0 again, in vLLM's order
+        for rank in range(tp):
+            theirs = sorted(
+                (p for p in non_empty if p.name.startswith(f"model-rank-{rank}-")),
+                key=lambda p: int(p.name.rsplit("-", 1)[1].split(".")[0]),
+            )
+            ours = [dest / f"model-rank-{rank}-part-{part}.safetensors" for part in range(len(theirs))]
+            assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in theirs]
+    manifest = json.loads((dest / "streamctl-shard-manifest.json").read_text())
+    listed = {file["path"]: file["sha256"] for rank in manifest["ranks"] for file in rank["files"]}
+    assert manifest["engine"] == "vllm" and listed == digest
+    verdict = verdicts[f"engine-vllm-{name}"]
+    assert verdict["ok"], _why(verdict)
+    assert all(rank["warnings"] == [] for rank in verdict["ranks"]), _why(verdict)

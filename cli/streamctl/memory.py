@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+from streamctl._libc import libc
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3
@@ -14,15 +12,12 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # the largest threshold glibc accepts on 64-bit
 
 def _mallopt(*settings: tuple[int, int]) -> bool:
     """Apply glibc malloc settings; False where there is no glibc (nothing changes then)."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    if not name:
+    handle = libc()
+    if handle is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
-        return all(libc.mallopt(parameter, value) for parameter, value in settings)
-    except (OSError, AttributeError):
+        return all(handle.mallopt(parameter, value) for parameter, value in settings)
+    except AttributeError:
         return False
 
 

@@ -102,6 +102,7 @@ DEFAULT_MAX_PART_SIZE = 5 * GiB  # vLLM's save_sharded_state script default
 UPLOAD_CHUNK = 8 * MiB
 READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 MAX_BUFFER = 128 * MiB  # bytes read (and copied) but not yet written, at most
+RECONSTRUCTION_THREADS = 2  # tensors checked side by side (each holds ~2 blocks)
 SCALE_ONE_BYTES = b"\x00\x00\x80\x3f"  # float32 1.0, little-endian: vLLM's attention scale buffers
 SHARD_MANIFEST_NAME = "streamctl-shard-manifest.json"
 CONFIG_NAME = "config.json"
@@ -1472,6 +1473,19 @@ def _read_written_headers(
     return by_rank
 
 
+def same_bytes(ours: bytes | memoryview, theirs: bytes | memoryview) -> bool:
+    """Bitwise equality of two buffers, compared 8 bytes at a time (~29 GB/s here, against ~7 GB/s for
+    bytes and ~1 GB/s for memoryview ==) with the GIL released, so check threads run side by side."""
+    if len(ours) != len(theirs):
+        return False
+    np_ = _numpy()
+    left, right = np_.frombuffer(ours, np_.uint8), np_.frombuffer(theirs, np_.uint8)
+    bulk = len(left) - len(left) % 8
+    return bool(np_.array_equal(left[:bulk].view(np_.uint64), right[:bulk].view(np_.uint64))) and bool(
+        np_.array_equal(left[bulk:], right[bulk:])
+    )
+
+
 def _covers(intervals: Sequence[tuple[int, int]], extent: int) -> bool:
     position = 0
     for start, stop in sorted(intervals):
@@ -1502,20 +1516,39 @@ def check_reconstruction(
     """
     problems: list[str] = []
     written = _read_written_headers(dest, plan.pattern, problems)
-    checker = _Reconstruction(source, dest, plan, policy, written, dtype_from_files, chunk, problems)
+    checker = _Reconstruction(source, dest, plan, policy, written, dtype_from_files, chunk)
     task = progress.task("Checking reconstruction", sum(len(stage.tensors) for stage in plan.stages))
-    try:
-        for stage in plan.stages:
-            for tensor in stage.tensors:
+    work = [(stage.pp_rank, tensor) for stage in plan.stages for tensor in stage.tensors]
+    sources_checked: set[str] = set()
+    bytes_compared = 0
+    # Tensors are checked side by side: reads and comparisons release the GIL, and one thread alone
+    # leaves a core idle (measured on 3.1 GB at TP 2: ~1.0 s on one thread, ~0.6 s on this pool).
+    with ThreadPoolExecutor(RECONSTRUCTION_THREADS, thread_name_prefix="shard-check") as pool:
+        try:
+            for checked in pool.map(lambda item: checker.check(*item), work):
                 progress.advance(task, 1)
-                checker.check(stage.pp_rank, tensor)
-    finally:
-        progress.done(task)
+                problems.extend(checked.problems)
+                sources_checked.update(checked.sources)
+                bytes_compared += checked.bytes_compared
+        except BaseException:
+            checker.cancelled.set()
+            raise
+        finally:
+            progress.done(task)
     shown = tuple(problems[:50]) + ((f"... and {len(problems) - 50} more",) if len(problems) > 50 else ())
-    return ReconstructionReport(not problems, len(checker.sources_checked), checker.bytes_compared, shown)
+    return ReconstructionReport(not problems, len(sources_checked), bytes_compared, shown)
 
 
-@dataclass
+@dataclass(frozen=True)
+class _TensorCheck:
+    """What checking one planned tensor found: problems (empty: bit-identical), sources it covers, bytes read back."""
+
+    problems: tuple[str, ...]
+    sources: tuple[str, ...]
+    bytes_compared: int
+
+
+@dataclass(frozen=True)
 class _Reconstruction:
     source: Location
     dest: Location
@@ -1524,79 +1557,82 @@ class _Reconstruction:
     written: Mapping[tuple[int, int], Mapping[str, _WrittenTensor]]
     dtype_from_files: bool
     chunk: int
-    problems: list[str]
-    sources_checked: set[str] = field(default_factory=set)
-    bytes_compared: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def _ranks(self, pp_rank: int, tensor: PlannedTensor) -> dict[int, _WrittenTensor]:
+    def _ranks(self, pp_rank: int, tensor: PlannedTensor, problems: list[str]) -> dict[int, _WrittenTensor]:
         """The ranks whose file holds the tensor with the expected dtype and shape (others are reported)."""
         ranks = {}
         for rank in range(self.plan.tensor_parallel_size):
             label = f"{tensor.name} (PP stage {pp_rank}, TP rank {rank})"
             where = self.written.get((pp_rank, rank), {}).get(tensor.name)
             if where is None:
-                self.problems.append(f"{label}: missing from the written files")
+                problems.append(f"{label}: missing from the written files")
                 continue
             dtype = where.dtype if self.dtype_from_files else tensor.dtype
             if where.dtype != dtype or where.shape != tensor.shape:
-                self.problems.append(
+                problems.append(
                     f"{label}: written as {where.dtype} {list(where.shape)}, expected {dtype} {list(tensor.shape)}"
                 )
                 continue
             ranks[rank] = where
         return ranks
 
-    def check(self, pp_rank: int, tensor: PlannedTensor) -> None:
-        np_ = _numpy()
-        ranks = self._ranks(pp_rank, tensor)
+    def check(self, pp_rank: int, tensor: PlannedTensor) -> _TensorCheck:
+        problems: list[str] = []
+        ranks = self._ranks(pp_rank, tensor, problems)
         cursors = dict.fromkeys(ranks, 0)  # bytes of each rank's tensor accounted for so far
         covered: dict[tuple[str, int | None], list[tuple[int, int]]] = {}
         failed: set[int] = set()
+        compared = 0
         blocks = tensor_blocks(tensor, self.plan.dims, self.plan.tensor_parallel_size, self.chunk)
         for block in blocks:
+            if self.cancelled.is_set():
+                raise _Cancelled()
             data = None if block.source is None else read_block(self.source, block, self.policy)
             for delivery in block.deliveries:
                 where = ranks.get(delivery.rank)
                 if where is None:
                     continue
                 expected = self._expected(block, data, delivery, where.dtype)
-                got = self._read(where, cursors[delivery.rank], expected.nbytes)
-                cursors[delivery.rank] += expected.nbytes
-                if delivery.rank not in failed and not np_.array_equal(got, expected.reshape(-1).view(np_.uint8)):
+                got = self._read(where, cursors[delivery.rank], len(expected))
+                cursors[delivery.rank] += len(expected)
+                compared += len(got)
+                if delivery.rank not in failed and not same_bytes(got, expected):
                     failed.add(delivery.rank)
-                    self.problems.append(self._difference(tensor, block, delivery, pp_rank))
+                    problems.append(self._difference(tensor, block, delivery, pp_rank))
                 if block.source is not None:
                     axis = None if block.whole else (0 if delivery.columns is None else 1)
                     span = (0, 1) if axis is None else (delivery.columns or (block.start, block.stop))
                     covered.setdefault((block.source.name, axis), []).append(span)
         for rank, where in ranks.items():
             if cursors[rank] != where.nbytes and rank not in failed:
-                self.problems.append(f"{tensor.name} (PP stage {pp_rank}, TP rank {rank}): size does not add up")
+                problems.append(f"{tensor.name} (PP stage {pp_rank}, TP rank {rank}): size does not add up")
         if len(ranks) == self.plan.tensor_parallel_size:
             for item in tensor.sources:
                 for (name, axis), spans in covered.items():
                     extent = 1 if axis is None else item.shape[axis]
                     if name == item.name and not _covers(spans, extent):
-                        self.problems.append(f"{tensor.name}: the ranks together miss part of {item.name}")
-        self.sources_checked.update(item.name for item in tensor.sources)
+                        problems.append(f"{tensor.name}: the ranks together miss part of {item.name}")
+        return _TensorCheck(tuple(problems), tuple(item.name for item in tensor.sources), compared)
 
-    def _expected(self, block: Block, data: bytes | None, delivery: Delivery, dtype: str) -> np.ndarray:
-        np_ = _numpy()
+    def _expected(self, block: Block, data: bytes | None, delivery: Delivery, dtype: str) -> memoryview:
+        """The bytes `delivery`'s rank must hold for this block (a view of `data` when no copy is needed)."""
         if block.source is None:
-            return np_.frombuffer(block.constant or b"", dtype=np_.uint8)
+            return memoryview(block.constant or b"")
         assert data is not None
         source = block.source
+        if delivery.columns is None and source.dtype == dtype:
+            return memoryview(data)
+        np_ = _numpy()
         shape = source.shape if block.whole else (block.stop - block.start, *source.shape[1:])
         array = np_.frombuffer(data, dtype=storage_dtype(source.dtype)).reshape(shape)
         if delivery.columns is not None:
             array = array[:, delivery.columns[0] : delivery.columns[1]]
-        return np_.ascontiguousarray(cast_bits(array, source.dtype, dtype))
+        return memoryview(np_.ascontiguousarray(cast_bits(array, source.dtype, dtype))).cast("B")
 
-    def _read(self, where: _WrittenTensor, start: int, nbytes: int) -> np.ndarray:
+    def _read(self, where: _WrittenTensor, start: int, nbytes: int) -> bytes:
         key = self.dest.key(where.file)
-        data = with_retries(partial(self.dest.store.read_range, key, where.offset + start, nbytes), self.policy)
-        self.bytes_compared += len(data)
-        return _numpy().frombuffer(data, dtype=_numpy().uint8)
+        return with_retries(partial(self.dest.store.read_range, key, where.offset + start, nbytes), self.policy)
 
     @staticmethod
     def _difference(tensor: PlannedTensor, block: Block, delivery: Delivery, pp_rank: int) -> str:

@@ -1,0 +1,51 @@
+"""glibc calls that Python's os module lacks, loaded on first use (ctypes is not imported at start-up)."""
+
+from __future__ import annotations
+
+import sys
+from functools import cache
+from typing import Any
+
+_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
+
+
+@cache
+def libc() -> Any | None:
+    """The C library as a ctypes handle; None off Linux or where it cannot be loaded."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not name:
+        return None
+    try:
+        return ctypes.CDLL(name, use_errno=True)
+    except OSError:
+        return None
+
+
+@cache
+def _sync_file_range() -> Any | None:
+    handle = libc()
+    function = getattr(handle, "sync_file_range", None) if handle is not None else None
+    if function is None:
+        return None
+    import ctypes
+
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing [offset, offset + length) of `fd` to disk now, without waiting.
+
+    A writer that streams gigabytes otherwise leaves them all dirty until its final fsync, which then
+    waits for the whole file (and dirty memory piles up meanwhile). Best effort: a no-op where
+    sync_file_range is missing or refuses (its errors never matter to correctness; fsync still follows).
+    """
+    function = _sync_file_range()
+    if function is not None:
+        function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
