@@ -955,6 +955,53 @@ def test_vllm_loads_every_rank_bit_identical(tmp_path: Path) -> None:
     assert not failed, json.dumps([(str(path), verdict) for path, verdict in failed], default=str)[:4000]
 
 
+STREAM_EVERY_TENSOR = r"""
+import hashlib, json, sys
+import torch
+from runai_model_streamer import SafetensorsStreamer
+listing = {}
+for path in sys.argv[1:]:
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_file(path)
+        listing[path] = {
+            name: [str(tensor.dtype), list(tensor.shape),
+                   hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()]
+            for name, tensor in streamer.get_tensors()
+        }
+print(json.dumps(listing))
+"""
+TORCH_DTYPES = {"BF16": "torch.bfloat16", "F16": "torch.float16", "F32": "torch.float32"}
+
+
+@requires_vllm_oracle
+def test_run_ai_streamer_reads_every_tensor(tmp_path: Path) -> None:
+    """runai_model_streamer.SafetensorsStreamer on CPU (the reader behind --load-format
+    runai_streamer_sharded) streams every file, parts included, to the same names, dtypes, shapes and bytes."""
+    import os
+
+    write_model(tmp_path / "qwen2" / "hf", "qwen2", dtype="F16")
+    write_model(tmp_path / "llama" / "hf", "llama-gqa")
+    shard(tmp_path / "qwen2" / "hf", tmp_path / "qwen2" / "out", tensor_parallel_size=2, max_part_size=4096)
+    shard(tmp_path / "llama" / "hf", tmp_path / "llama" / "out", tensor_parallel_size=4, dtype="float32")
+    files = sorted(tmp_path.glob("*/out/model-rank-*.safetensors"))
+    assert len([f for f in files if "qwen2" in str(f)]) > 2  # several parts per rank
+    completed = subprocess.run(
+        [os.environ["STREAMCTL_VLLM_PYTHON"], "-c", STREAM_EVERY_TENSOR, *map(str, files)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    streamed = json.loads(completed.stdout.strip().splitlines()[-1])
+    for path in files:
+        expected = {
+            name: [TORCH_DTYPES[dtype], list(shape), hashlib.sha256(data).hexdigest()]
+            for name, (dtype, shape, data) in read_file(path).items()
+        }
+        assert streamed[str(path)] == expected, path.name
+
+
 @requires_vllm_oracle
 def test_vllm_loads_the_other_kinds(tmp_path: Path) -> None:
     """This module's own kinds through the same judge: Qwen3 q/k norms, Llama biases, TP 8 both ways, PP 3."""
@@ -981,7 +1028,7 @@ def test_files_are_byte_identical_to_vllms_own_save(tmp_path: Path) -> None:
     """vLLM's ShardedStateLoader.save_model on the same checkpoint writes the same files, byte for byte.
 
     max_size keeps the first tensor within one part: for a first tensor larger than max_size vLLM 0.33
-    writes an empty part 0, which streamctl deliberately does not (the streamer fails on an empty file).
+    writes an empty part 0, which streamctl deliberately does not (specs/sharded-state.md: never an empty part).
     """
     jobs = []
     for kind in ("llama-gqa", "llama-tied", "qwen2", "qwen3", "llama-bias"):
