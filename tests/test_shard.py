@@ -804,6 +804,60 @@ def test_cli_writes_into_a_bucket_with_json(tmp_path: Path, s3_root: str, storag
     assert all(len(file["sha256"]) == 64 and file["tensors"] > 0 for file in document["files"])
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_interrupt_aborts_every_upload_and_leaves_no_file(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """Ctrl-C while rank files are being written: exit 130, no traceback, no multipart upload left open
+    (on S3 they cost storage until aborted), no temporary file left, nothing under DEST at all."""
+    import os
+    import signal
+    import time
+
+    # ~95 MB of weights: rank files of ~48 MB go out as several 8 MiB parts, long enough to interrupt.
+    write_model(
+        tmp_path / "hf", "llama-gqa", hidden_size=512, intermediate_size=2048, vocab_size=32000, num_hidden_layers=4
+    )
+    if where == "s3":
+        import boto3
+
+        s3_root = request.getfixturevalue("s3_root")
+        env = request.getfixturevalue("storage_env")
+        bucket = s3_root.split("/")[2]
+        client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"])
+        dest = f"{s3_root}/tp2"
+
+        def writing() -> bool:
+            return bool(client.list_multipart_uploads(Bucket=bucket).get("Uploads"))
+    else:
+        env, dest = {}, str(tmp_path / "tp2")
+
+        def writing() -> bool:
+            return any((tmp_path / "tp2").glob(".*.streamctl-partial"))
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamctl", "shard", str(tmp_path / "hf"), dest, "-tp", "2"],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not writing():
+        assert process.poll() is None, "shard finished before it could be interrupted"
+        assert time.monotonic() < deadline, "no rank file was started"
+        time.sleep(0.02)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr
+    assert stderr.strip() == "error: interrupted"
+    assert list(open_location(dest).list()) == []
+    if where == "s3":
+        assert not writing(), "a multipart upload was left open"
+    else:
+        assert not [path for path in (tmp_path / "tp2").rglob("*")], "a file was left behind"
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input through the CLI: exit 2 and a message that names the problem
 
@@ -903,6 +957,11 @@ def test_existing_dest_exits_2_unless_force(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
     assert "checks: verify-index --sharded OK; reconstruction OK" in result.stdout
+    assert "interrupted" not in cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2").stderr
+    # A run stopped after its weights were committed (no manifest yet) is named as such.
+    (tmp_path / "out" / SHARD_MANIFEST_NAME).unlink()
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2")
+    assert result.exit_code == 2 and "interrupted shard run" in result.stderr and "--force" in result.stderr
 
 
 def test_missing_source_exits_3(tmp_path: Path) -> None:

@@ -56,9 +56,13 @@ def main() -> None:
     except StreamctlError as error:
         output.print_error(error)
         sys.exit(error.exit_code)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # outside a command (Typer turns one inside into exit 130, silently)
         output.print_error(StreamctlError("interrupted"))
         sys.exit(EXIT_INTERRUPTED)
+    except SystemExit as exit_:
+        if exit_.code == EXIT_INTERRUPTED:
+            output.print_error(StreamctlError("interrupted"))
+        raise
     except Exception as error:  # a bug: say so in one line, traceback only on request
         output.print_internal_error(error)
         sys.exit(EXIT_INTERNAL_ERROR)

@@ -57,6 +57,7 @@ from streamctl.errors import (
     VerificationFailed,
 )
 from streamctl.fileset import select_serving_files
+from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.safetensors import (
@@ -806,9 +807,14 @@ def _check_dest(dest: Location, source: Location, output_names: set[str], force:
     existing = _list_dest(dest)
     if existing and not force:
         shown = ", ".join(sorted(existing)[:3]) + (", ..." if len(existing) > 3 else "")
+        interrupted = SHARD_MANIFEST_NAME not in existing and not output_names.isdisjoint(existing)
         raise UsageError(
             f"{dest.url} already holds {len(existing)} files ({shown})",
-            hint="choose an empty destination, or pass --force to replace the weights there",
+            hint=(
+                f"these look like an interrupted shard run (no {SHARD_MANIFEST_NAME}); pass --force to write them again"
+                if interrupted
+                else "choose an empty destination, or pass --force to replace the weights there"
+            ),
         )
     # Old weights and indexes would be loaded (or flagged) next to the new files: --force removes them.
     return tuple(
@@ -1197,6 +1203,7 @@ class _Writer:
     progress: Progress
     task: int
     budget: ByteBudget
+    shielded: Shielded  # starts uploads: an interrupt must not lose one (see write_sharded)
     cancelled: threading.Event = field(default_factory=threading.Event)
     open_streams: list[PartStream] = field(default_factory=list)
     written: list[WrittenFile] = field(default_factory=list)
@@ -1293,9 +1300,10 @@ class _Writer:
             futures.append(self._submit(writers[rank], streams[rank], chunk, countdown))
 
     def _open(self, file: PlannedFile) -> PartStream:
-        stream = PartStream(self.dest, file.name, file.size, self.options.upload_chunk, self.options.retry)
-        self.open_streams.append(stream)
-        return stream
+        options = self.options
+        return self.shielded(
+            partial(_start_recorded, self.open_streams, self.dest, file.name, file.size, options.upload_chunk, options.retry)
+        )
 
     def _submit(
         self, executor: ThreadPoolExecutor, stream: PartStream, chunk: memoryview, countdown: _Countdown | None
@@ -1363,12 +1371,17 @@ def _abort_all(streams: Sequence[PartStream], progress: Progress) -> None:
 
 
 def _commit(streams: Sequence[PartStream], dest: Location, policy: RetryPolicy, progress: Progress) -> None:
-    """Complete every upload; if one fails, remove the ones already completed and abort the rest."""
+    """Complete every upload; if one fails (or Ctrl-C), remove the ones already completed and abort the rest."""
     completed: list[PartStream] = []
+
+    def complete_and_record(stream: PartStream) -> None:
+        with_retries(stream.upload.complete, policy)
+        completed.append(stream)  # in the same shielded call: the clean-up below must see it
+
     try:
-        for stream in streams:
-            with_retries(stream.upload.complete, policy)
-            completed.append(stream)
+        with shielded_calls() as shielded:
+            for stream in streams:
+                shielded(partial(complete_and_record, stream))
     except BaseException:
         for stream in completed:
             try:
@@ -1384,14 +1397,21 @@ def write_sharded(
 ) -> tuple[tuple[WrittenFile, ...], int]:
     """Write every planned file and complete them all at the end; a failure aborts every upload."""
     task = progress.task("Writing sharded state", plan.total_bytes)
-    writer = _Writer(source, dest, plan, options, progress, task, ByteBudget(options.max_buffer))
+    open_streams: list[PartStream] = []
+    cancelled = threading.Event()
     try:
-        for stage in plan.stages:
-            writer.write_stage(stage)
-        _commit(writer.open_streams, dest, options.retry, progress)
+        # Leaving this block waits for an upload being started, so the abort below sees it too.
+        with shielded_calls() as shielded:
+            budget = ByteBudget(options.max_buffer)
+            writer = _Writer(
+                source, dest, plan, options, progress, task, budget, shielded, cancelled=cancelled, open_streams=open_streams
+            )
+            for stage in plan.stages:
+                writer.write_stage(stage)
+        _commit(open_streams, dest, options.retry, progress)
     except BaseException:
-        writer.cancelled.set()
-        _abort_all(writer.open_streams, progress)
+        cancelled.set()
+        _abort_all(open_streams, progress)
         raise
     finally:
         progress.done(task)
@@ -1887,21 +1907,32 @@ def _copy_saved_files(
     streams: list[PartStream] = []
     written: list[WrittenFile] = []
     try:
-        for (pp_rank, tp_rank), parts in sorted(ranks.items()):
-            for part, (_, info, header) in enumerate(sorted(parts, key=lambda item: item[0])):
-                name = format_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, part=part)
-                stream = PartStream(dest, name, info.size, options.upload_chunk, options.retry)
-                streams.append(stream)
-                for start in range(0, info.size, options.upload_chunk):
-                    length = min(options.upload_chunk, info.size - start)
-                    stream.write(with_retries(partial(saved.store.read_range, info.key, start, length), options.retry))
-                tensors = tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in header.tensors)
-                written.append(WrittenFile(name, pp_rank, tp_rank, part, info.size, stream.finish(), tensors))
+        with shielded_calls() as shielded:  # see write_sharded
+            for (pp_rank, tp_rank), parts in sorted(ranks.items()):
+                for part, (_, info, header) in enumerate(sorted(parts, key=lambda item: item[0])):
+                    name = format_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, part=part)
+                    stream = shielded(
+                        partial(_start_recorded, streams, dest, name, info.size, options.upload_chunk, options.retry)
+                    )
+                    for start in range(0, info.size, options.upload_chunk):
+                        length = min(options.upload_chunk, info.size - start)
+                        data = with_retries(partial(saved.store.read_range, info.key, start, length), options.retry)
+                        stream.write(data)
+                    tensors = tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in header.tensors)
+                    written.append(WrittenFile(name, pp_rank, tp_rank, part, info.size, stream.finish(), tensors))
         _commit(streams, dest, options.retry, progress)
     except BaseException:
         _abort_all(streams, progress)
         raise
     return tuple(written)
+
+
+def _start_recorded(
+    streams: list[PartStream], dest: Location, name: str, size: int, chunk: int, policy: RetryPolicy
+) -> PartStream:
+    stream = PartStream(dest, name, size, chunk, policy)
+    streams.append(stream)  # before anything can interrupt: the abort path must see it
+    return stream
 
 
 def _plan_for_saved(
