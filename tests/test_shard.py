@@ -1131,6 +1131,34 @@ def test_a_small_buffer_never_stalls_the_writer(tmp_path: Path, tp: int) -> None
     assert_rank_matches(tmp_path / "out", config, as_f32, tp)
 
 
+@requires_vllm_oracle
+def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_path: Path) -> None:
+    """The script --engine vllm runs, in a real vLLM 0.33 environment (CPU only here): it parses its
+    arguments, imports torch, and stops with exit 3 naming the GPUs it needs before building an engine."""
+    import os
+
+    from streamctl.shard import VLLM_SAVE_SCRIPT
+
+    arguments = {
+        "model": str(tmp_path),
+        "output": str(tmp_path / "out"),
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 2,
+        "dtype": "auto",
+        "pattern": "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors",
+        "max_size": 5 * 1024**3,
+    }
+    completed = subprocess.run(
+        [os.environ["STREAMCTL_VLLM_PYTHON"], "-c", VLLM_SAVE_SCRIPT, json.dumps(arguments)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 3, completed.stderr[-2000:]
+    assert completed.stderr.strip().splitlines()[-1] == "needs 4 CUDA GPUs, found 0"
+
+
 def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
