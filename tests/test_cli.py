@@ -132,3 +132,26 @@ def test_fish_completes_verify_index_options() -> None:
         check=True,
     )
     assert completed.stdout.split("\t")[0] == "--expect"
+
+
+def test_help_texts_survive_rich_rendering() -> None:
+    """Typer renders help with Rich markup: a "[default: x]" in a help string silently vanishes from
+    --help. Every help text is checked for square brackets Rich would take as a tag, and every command's
+    description must come out as whole paragraphs (the docstring's line breaks are not kept)."""
+    import re
+
+    import typer.main
+    from streamctl.app import app
+
+    group = typer.main.get_command(app)
+    assert sorted(group.commands) == ["serve", "shard", "transfer", "verify-index"]  # type: ignore[attr-defined]
+    markup = re.compile(r"(?<!\\)\[[a-zA-Z/#@]")
+    for name, command in group.commands.items():  # type: ignore[attr-defined]
+        texts = {f"{name} description": command.help or ""}
+        texts |= {f"{name} {param.name}": getattr(param, "help", None) or "" for param in command.params}
+        for where, text in texts.items():
+            assert not markup.search(text), f"{where}: {text!r}"
+        paragraphs = (command.help or "").split("\n\n")
+        assert all("\n" not in paragraph for paragraph in paragraphs), name
+    result = run_cli("transfer", "--help", env={"COLUMNS": "200"})
+    assert "Hugging Face repo type (default: model)." in result.stdout

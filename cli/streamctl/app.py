@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 from typing import Annotated, Optional
 
 import typer
@@ -44,10 +46,15 @@ def _global_options(
     output.configure(debug=debug, quiet=quiet)
 
 
-app.command("transfer", no_args_is_help=True)(transfer.command)
-app.command("verify-index", no_args_is_help=True)(verify_index.command)
-app.command("shard", no_args_is_help=True)(shard.command)
-app.command("serve", no_args_is_help=True)(serve.command)
+def _reflowed_help(function: Callable[..., object]) -> str:
+    """The docstring with each paragraph on one line. Typer keeps a docstring's line breaks, so text wrapped
+    for the source came out ragged on a narrow terminal; Rich re-wraps single lines to the terminal's width."""
+    text = inspect.cleandoc(function.__doc__ or "")
+    return "\n\n".join(" ".join(line.strip() for line in paragraph.splitlines()) for paragraph in text.split("\n\n"))
+
+
+for _name, _module in (("transfer", transfer), ("verify-index", verify_index), ("shard", shard), ("serve", serve)):
+    app.command(_name, no_args_is_help=True, help=_reflowed_help(_module.command))(_module.command)
 
 
 def main() -> None:

@@ -32,7 +32,7 @@ def command(
     ] = 1,
     concurrency: Annotated[
         Optional[int],
-        typer.Option("--concurrency", min=1, help="Streamer readers [default: 16 local, 8 object store]."),
+        typer.Option("--concurrency", min=1, help="Streamer readers (default: 16 local, 8 object store)."),
     ] = None,
     memory_limit: Annotated[
         Optional[str],
@@ -40,11 +40,11 @@ def command(
     ] = None,
     distributed: Annotated[
         Optional[bool],
-        typer.Option("--distributed/--no-distributed", help="Distributed streaming [default: on when TP > 1 with CUDA].", show_default=False),
+        typer.Option("--distributed/--no-distributed", help="Distributed streaming (default: on when TP > 1 with CUDA).", show_default=False),
     ] = None,
     sharded: Annotated[
         Optional[bool],
-        typer.Option("--sharded/--not-sharded", help="Pre-sharded model-rank-* files [default: detected].", show_default=False),
+        typer.Option("--sharded/--not-sharded", help="Pre-sharded model-rank-* files (default: detected).", show_default=False),
     ] = None,
     pattern: Annotated[Optional[str], typer.Option("--pattern", help="Sharded file name pattern.")] = None,
     tune: Annotated[bool, typer.Option("--tune", help="Measure streamer concurrency on this checkpoint; use the best.")] = False,
@@ -56,7 +56,7 @@ def command(
     namespace: Annotated[str, typer.Option("--namespace", rich_help_panel="Kubernetes")] = "default",
     name: Annotated[Optional[str], typer.Option("--name", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
     image: Annotated[
-        Optional[str], typer.Option("--image", help="vLLM image [default: vllm/vllm-openai:v0.33.0].", rich_help_panel="Kubernetes")
+        Optional[str], typer.Option("--image", help="vLLM image (default: vllm/vllm-openai:v0.33.0).", rich_help_panel="Kubernetes")
     ] = None,
     service_account: Annotated[
         Optional[str],

@@ -86,8 +86,9 @@ def command(
 
     Llama, Mistral, Qwen2 and Qwen3 checkpoints are re-partitioned on the CPU in blocks of a few MiB (memory
     stays bounded whatever the model's size) and streamed to DEST; config, generation config, tokenizer and
-    custom code are copied next to them. Afterwards verify-index --sharded and a bit-for-bit reconstruction of every
-    source tensor must pass. VLLM_PP_LAYER_PARTITION overrides the layer split as in vLLM.
+    custom code are copied next to them. Afterwards verify-index --sharded and a bit-for-bit reconstruction
+    of every source tensor must pass. VLLM_PP_LAYER_PARTITION overrides the layer split as in vLLM.
+
     Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
     """
     apply_output_flags(json_output, quiet, debug)

@@ -31,7 +31,7 @@ def command(
         Optional[str], typer.Option("--revision", help="Branch, tag or commit (resolved to one commit).")
     ] = None,
     repo_type: Annotated[
-        Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type [default: model].")
+        Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type (default: model).")
     ] = None,
     include: Annotated[
         Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Also copy matching files (repeatable).")

@@ -67,6 +67,7 @@ def command(
     """Check a checkpoint index against the safetensors shard headers, locally or in a bucket.
 
     Reads only object sizes and headers (about 100 kB per shard); tensor data is never downloaded.
+
     Exit 0 when clean, 1 when any error is found (or any warning with --strict).
     """
     apply_output_flags(json_output, quiet, debug)
