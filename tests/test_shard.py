@@ -858,6 +858,29 @@ def test_interrupt_aborts_every_upload_and_leaves_no_file(
         assert not [path for path in (tmp_path / "tp2").rglob("*")], "a file was left behind"
 
 
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_killed_runs_unfinished_uploads_are_discarded(
+    tmp_path: Path, where: str, request: pytest.FixtureRequest
+) -> None:
+    """kill -9 leaves what no process can abort: a local temporary file, or S3 multipart parts (billed).
+    The next run discards those of the files it writes, and leaves other objects' uploads alone."""
+    config, hf = write_model(tmp_path / "hf", "llama-gqa")
+    dest = open_location(str(tmp_path / "out") if where == "local" else f"{request.getfixturevalue('s3_root')}/m")
+    part_size = dest.store.min_part_size
+    for name in ("model-rank-1-part-0.safetensors", "config.json", "notes/someone-elses.bin"):
+        upload = dest.store.start_multipart(dest.key(name), part_size)
+        upload.upload_part(0, b"x" * min(part_size, 1 << 20))  # and then the process was killed
+    result = shard_checkpoint(open_location(str(tmp_path / "hf")), dest, ShardOptions(tensor_parallel_size=2))
+    assert result.ok and result.discarded == ("config.json", "model-rank-1-part-0.safetensors")
+    assert result.to_json()["discarded_uploads"] == list(result.discarded)
+    left = dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else "")
+    assert [dest.relative(upload.key) for upload in left] == ["notes/someone-elses.bin"]
+    if where == "local":
+        assert_rank_matches(tmp_path / "out", config, hf, 2)
+        hidden = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob(".*"))
+        assert len(hidden) == 1 and hidden[0].startswith("notes/.someone-elses.bin.")
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input through the CLI: exit 2 and a message that names the problem
 

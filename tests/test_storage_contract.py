@@ -245,6 +245,32 @@ def test_multipart_abort_leaves_nothing_and_keeps_an_older_object(any_root: str)
         root.store.stat(fresh)
 
 
+def test_unfinished_uploads_are_listed_and_discarded(any_root: str) -> None:
+    """An upload whose process died (neither completed nor aborted) is listed under its future key and
+    discarded without a trace; complete objects are not listed, nor uploads outside the prefix asked for."""
+    root = open_root(any_root)
+    part_size, parts = _parts(root.store.min_part_size, 2, 100)
+    done = root.key("done.bin")
+    root.store.put(done, b"complete")
+    abandoned = {}
+    for name in ("sub/killed.bin", "killed.bin"):
+        upload = root.store.start_multipart(root.key(name), part_size)
+        upload.upload_part(0, parts[0])  # ... and the process is gone: nobody aborts it
+        abandoned[root.key(name)] = upload
+
+    assert [upload.key for upload in root.store.unfinished_uploads(root.key("sub/"))] == [root.key("sub/killed.bin")]
+    found = root.store.unfinished_uploads(root.key(""))
+    assert sorted(upload.key for upload in found) == sorted(abandoned)
+    for upload in found:
+        upload.discard()
+        upload.discard()  # safe twice
+    assert root.store.unfinished_uploads(root.key("")) == []
+    assert names_under(root) == ["done.bin"]
+    for key in abandoned:
+        with pytest.raises(NotFoundError):
+            root.store.stat(key)
+
+
 def test_multipart_without_parts_gives_an_empty_object(any_root: str) -> None:
     root = open_root(any_root)
     key = root.key("empty.bin")

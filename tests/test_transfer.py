@@ -358,9 +358,13 @@ def test_killed_transfer_resumes_without_resending(
     assert len(at_kill) < len(files), "the transfer finished before it could be killed"
     for name in at_kill:  # nothing partial is ever visible under a final name
         assert read_all(dest, name) == files[name]
+    left_open = sorted(dest.relative(upload.key) for upload in dest.store.unfinished_uploads(f"{dest.prefix}/"))
 
     rerun = run_cli("transfer", "org/kill", s3_root, "--json", "--no-verify", env=storage_env)
     assert rerun.exit_code == 0, rerun.stderr
+    # The killed run could not abort its open multipart upload (S3 bills its parts): the re-run does.
+    assert rerun.json()["discarded_uploads"] == left_open
+    assert dest.store.unfinished_uploads(f"{dest.prefix}/") == []
     actions = {f["path"]: f["action"] for f in rerun.json()["files"]}
     assert {name for name, action in actions.items() if action == "skipped"} == set(at_kill)
     for name in files:

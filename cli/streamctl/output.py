@@ -227,8 +227,9 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
 def render_transfer_result(result: TransferResult) -> None:
     copied = sum(1 for file in result.files if file.action == "copied")
     skipped = len(result.files) - copied
+    discarded = f"; discarded {len(result.discarded)} unfinished uploads of an earlier run" if result.discarded else ""
     stdout().print(
-        f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged; "
+        f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged{discarded}; "
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
         highlight=False,
     )
@@ -281,6 +282,8 @@ def render_shard_result(result: ShardResult) -> None:
     parallel = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
     layout = f"{parallel}, {plan.row.label}, pattern {plan.pattern}"
     removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
+    if result.discarded:
+        removed += f"; discarded {len(result.discarded)} unfinished uploads of an earlier run"
     console.print(
         f"[bold green]done[/] {escape(plan.dest)} ({escape(layout)}, engine {result.engine}): {len(result.files)} "
         f"weight files and {len(result.copied)} serving files{removed}; {human_bytes(result.bytes_written)} in "

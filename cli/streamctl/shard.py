@@ -91,7 +91,7 @@ from streamctl.sharded import (
 )
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
 from streamctl.storage.local import LocalMultipartUpload
-from streamctl.transfer import SHA256_KEY, ByteBudget, part_size_for, put_json
+from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
 from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
@@ -311,6 +311,7 @@ class ShardResult:
     write_seconds: float  # planning and writing the weights, until every file is complete
     verify: VerifyReport
     reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
+    discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
 
     @property
     def ok(self) -> bool:
@@ -347,6 +348,7 @@ class ShardResult:
             ],
             "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
             "removed": list(self.removed),
+            "discarded_uploads": list(self.discarded),
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
             "write_seconds": round(self.write_seconds, 3),
@@ -1300,10 +1302,9 @@ class _Writer:
             futures.append(self._submit(writers[rank], streams[rank], chunk, countdown))
 
     def _open(self, file: PlannedFile) -> PartStream:
-        options = self.options
-        return self.shielded(
-            partial(_start_recorded, self.open_streams, self.dest, file.name, file.size, options.upload_chunk, options.retry)
-        )
+        chunk, policy = self.options.upload_chunk, self.options.retry
+        start = partial(_start_recorded, self.open_streams, self.dest, file.name, file.size, chunk, policy)
+        return self.shielded(start)
 
     def _submit(
         self, executor: ThreadPoolExecutor, stream: PartStream, chunk: memoryview, countdown: _Countdown | None
@@ -1404,7 +1405,7 @@ def write_sharded(
         with shielded_calls() as shielded:
             budget = ByteBudget(options.max_buffer)
             writer = _Writer(
-                source, dest, plan, options, progress, task, budget, shielded, cancelled=cancelled, open_streams=open_streams
+                source, dest, plan, options, progress, task, budget, shielded, cancelled, open_streams=open_streams
             )
             for stage in plan.stages:
                 writer.write_stage(stage)
@@ -1739,6 +1740,7 @@ def shard_checkpoint(
             "note: the checkpoint has float32 weights; vLLM serves those as bfloat16/float16 with --dtype auto, "
             "so consider --dtype"
         )
+    discarded = discard_unfinished_uploads(dest, partial(_ours, plan.pattern, plan.serving_files), progress)
     files, bytes_written = write_sharded(plan, source, dest, options, progress)
     write_seconds = time.monotonic() - started
     removed = remove_stale(dest, plan.stale, progress)
@@ -1756,11 +1758,23 @@ def shard_checkpoint(
         write_seconds,
         verify,
         reconstruction,
+        discarded,
     )
     if not result.ok:
         raise ShardCheckFailed(result)
     write_manifest(dest, result)
     return result
+
+
+def _ours(pattern: str, serving_files: Sequence[tuple[str, int]], name: str) -> bool:
+    """Whether `name` (relative to DEST) is a file `shard` writes there: rank files, serving files, manifest."""
+    from streamctl.sharded import parse_sharded_name
+
+    return (
+        name == SHARD_MANIFEST_NAME
+        or any(name == path for path, _ in serving_files)
+        or parse_sharded_name(pattern, name) is not None
+    )
 
 
 # ----------------------------------------------------------------------------------------------- --engine vllm
@@ -1848,6 +1862,9 @@ def shard_with_vllm(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
+        serving_paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
+        serving = [(path, listing.sizes[path]) for path in serving_paths]
+        discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
         files = _copy_saved_files(saved, dest, pattern, options, progress)
     write_seconds = time.monotonic() - started
     plan = _plan_for_saved(source, dest, options, config, version, pattern, files, source_id, existing_stale)
@@ -1874,6 +1891,7 @@ def shard_with_vllm(
         write_seconds,
         verify,
         reconstruction,
+        discarded,
     )
     if not result.ok:
         raise ShardCheckFailed(result)

@@ -128,6 +128,7 @@ class TransferResult:
     files: tuple[CopiedFile, ...]
     bytes_copied: int
     seconds: float
+    discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -142,6 +143,7 @@ class TransferResult:
             "bytes_copied": self.bytes_copied,
             "seconds": round(self.seconds, 3),
             "throughput_mb_s": round(self.throughput_mb_s, 2),
+            "discarded_uploads": list(self.discarded),
         }
 
 
@@ -540,6 +542,22 @@ def put_json(location: Location, name: str, document: object) -> None:
     location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
 
 
+def discard_unfinished_uploads(dest: Location, ours: Callable[[str], bool], progress: Progress) -> tuple[str, ...]:
+    """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
+    them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
+    files take disk, until someone does. Unfinished uploads of other objects are left alone."""
+    discarded = []
+    for upload in dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else ""):
+        name = dest.relative(upload.key)
+        if ours(name):
+            upload.discard()
+            discarded.append(name)
+    if discarded:
+        shown = ", ".join(sorted(set(discarded))[:5]) + (", ..." if len(set(discarded)) > 5 else "")
+        progress.log(f"discarded {len(discarded)} unfinished upload(s) an earlier run left: {shown}")
+    return tuple(sorted(discarded))
+
+
 def execute_transfer(
     plan: TransferPlan,
     source: Location,
@@ -551,6 +569,8 @@ def execute_transfer(
     options.validate()
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
+    ours = {file.path for file in plan.files} | {MANIFEST_NAME}
+    discarded = discard_unfinished_uploads(dest, ours.__contains__, progress)
     overall = progress.task("total", plan.copy_bytes)
     parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
     files_pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-file")
@@ -577,7 +597,7 @@ def execute_transfer(
     )
     write_manifest(dest, plan, results)
     return TransferResult(
-        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started
+        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded
     )
 
 

@@ -22,6 +22,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import azure.core.exceptions as aexc
@@ -44,7 +45,7 @@ from streamctl.storage._errors import (
     strip_etag,
     to_error,
 )
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -377,6 +378,22 @@ class AzureStore:
                 self._blob(key).delete_blob(delete_snapshots="include")
             except aexc.ResourceNotFoundError:
                 return  # nothing to delete (blob or container)
+
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Blobs that hold only uncommitted blocks: an upload that never committed its block list.
+
+        (Blocks left beside a committed blob need no help: the next commit of that blob drops them, and
+        Azure drops uncommitted blocks after a week in any case.)
+        """
+        with self._guard(Op.LIST, prefix):
+            committed = {blob.name for blob in self._container.list_blobs(name_starts_with=prefix or None)}
+            staged = [
+                blob.name
+                for blob in self._container.list_blobs(name_starts_with=prefix or None, include=["uncommittedblobs"])
+                if blob.name not in committed
+            ]
+        return [UnfinishedUpload(name, None, partial(self.delete, name)) for name in staged]
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> AzureStore:

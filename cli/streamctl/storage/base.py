@@ -7,7 +7,7 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +43,16 @@ class MultipartUpload(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class UnfinishedUpload:
+    """Storage an upload holds that never became an object (its run was killed): S3 multipart parts, GCS
+    part objects, a local temporary file. Billed or taking disk until discarded."""
+
+    key: str  # the object it was meant to become
+    stored: int | None  # bytes held, where the listing says
+    discard: Callable[[], None]  # removes it; raises StreamctlError when it cannot
+
+
 class Store(Protocol):
     scheme: str
     bucket: str
@@ -76,6 +86,14 @@ class Store(Protocol):
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing object is not an error."""
+        ...
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Uploads started for keys under `prefix` (a plain string prefix) and never completed nor aborted.
+
+        A run killed outright (SIGKILL, a lost machine) cannot abort its own; the next run into the same
+        place discards the ones for the objects it writes.
+        """
         ...
 
 

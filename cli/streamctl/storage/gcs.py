@@ -47,7 +47,7 @@ from streamctl.storage._errors import (
     resolve_not_found,
     to_error,
 )
-from streamctl.storage.base import ObjectInfo, StorageOptions
+from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -401,6 +401,20 @@ class GCSStore:
                 self._bucket.blob(key).delete(retry=self._retry())
             except gexc.NotFound:
                 return  # nothing to delete (object or bucket)
+
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Part objects of uploads that were never composed (billed like any object until deleted)."""
+        stored: dict[tuple[str, str], int] = {}
+        for blob in self._list_raw(prefix, Op.LIST):
+            if is_temporary(blob.name):
+                key, _, rest = blob.name.partition(PARTS_MARKER)
+                upload_id = rest.partition("/")[0]
+                stored[(key, upload_id)] = stored.get((key, upload_id), 0) + int(blob.size or 0)
+        return [
+            UnfinishedUpload(key, size, GCSMultipartUpload(self, key, 0, upload_id, {}).abort)
+            for (key, upload_id), size in sorted(stored.items())
+        ]
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> GCSStore:

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
 REPO_TYPES = ("model", "dataset")
@@ -301,6 +301,9 @@ class HfStore:
 
     def delete(self, key: str) -> NoReturn:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        return []  # nothing is ever uploaded here
 
     # -- errors ------------------------------------------------------------------------------------------------
 

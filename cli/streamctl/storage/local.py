@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from streamctl._libc import start_writeback
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
-from streamctl.storage.base import ObjectInfo, StorageOptions
+from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
 PARTIAL_SUFFIX = ".streamctl-partial"
@@ -66,6 +68,16 @@ def _raise(error: OSError) -> None:
 
 def _temporary_path(final: Path) -> Path:
     return final.with_name(f".{final.name}.{uuid.uuid4().hex[:12]}{PARTIAL_SUFFIX}")
+
+
+_PARTIAL_NAME = re.compile(r"\.(.+)\.[0-9a-f]{12}" + re.escape(PARTIAL_SUFFIX))
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        raise _map_os_error(error, path) from None
 
 
 @dataclass
@@ -153,7 +165,9 @@ class LocalStore:
         etag = f"{stat.st_mtime_ns:x}-{stat.st_size:x}"
         return ObjectInfo(key, stat.st_size, etag, _read_metadata(path))
 
-    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """(key, file name) of every file under the folder `prefix` points into whose key starts with it
+        (temporary files' keys included as they are); sorted by key."""
         if not self.root.exists():
             raise NotFoundError(f"{self.root}: no such folder")
         if not self.root.is_dir():
@@ -163,26 +177,47 @@ class LocalStore:
         start = self._path(base_dir)
         if not start.is_dir():
             return
-        found: list[str] = []
+        found: list[tuple[str, str]] = []
         try:
             for folder, dirs, files in os.walk(start, onerror=_raise):  # an unreadable folder must not vanish
                 dirs.sort()
                 relative_folder = Path(folder).relative_to(self.root).as_posix()
                 for name in files:
-                    if name.endswith(PARTIAL_SUFFIX):
-                        continue
                     key = name if relative_folder == "." else f"{relative_folder}/{name}"
                     if key.startswith(prefix):
-                        found.append(key)
+                        found.append((key, name))
         except OSError as error:
             raise _map_os_error(error, start) from None
-        for key in sorted(found):
+        yield from sorted(found)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        for key, name in self._walk(prefix):
+            if name.endswith(PARTIAL_SUFFIX):
+                continue
             try:
                 yield self._info(key, self._path(key))
             except FileNotFoundError:
                 continue  # removed while listing
             except OSError as error:
                 raise _map_os_error(error, self._path(key)) from None
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Temporary files of writes that never completed (their process was killed)."""
+        if not self.root.is_dir():
+            return []  # nothing was ever written here
+        base_dir, _, _ = prefix.rpartition("/")
+        unfinished = []
+        for key, name in self._walk(base_dir + "/" if base_dir else ""):
+            match = _PARTIAL_NAME.fullmatch(name)
+            final_key = key[: len(key) - len(name)] + match.group(1) if match else ""
+            if match and final_key.startswith(prefix):
+                path = self._path(key)
+                try:
+                    stored: int | None = path.stat().st_size
+                except OSError:
+                    continue  # gone meanwhile
+                unfinished.append(UnfinishedUpload(final_key, stored, partial(_unlink, path)))
+        return unfinished
 
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)

@@ -32,7 +32,7 @@ from streamctl.storage._errors import (
     strip_etag,
     to_error,
 )
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -376,6 +376,18 @@ class S3Store:
             ):
                 return  # nothing to delete
             raise
+
+
+    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+        """Multipart uploads in progress under `prefix` (S3 bills their parts until they are aborted)."""
+        unfinished = []
+        with self._guard(Op.LIST, prefix):
+            paginator = self._client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Uploads", ()):
+                    upload = S3MultipartUpload(self, item["Key"], 0, item["UploadId"], {})
+                    unfinished.append(UnfinishedUpload(item["Key"], None, upload.abort))
+        return unfinished
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> S3Store:
