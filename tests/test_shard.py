@@ -782,6 +782,25 @@ def test_bucket_source_and_destination(tmp_path: Path, bucket_root: str) -> None
             assert hashlib.sha256((local / file["path"]).read_bytes()).hexdigest() == file["sha256"]
 
 
+def test_hub_repo_as_source(tmp_path: Path, fake_hub: Any) -> None:
+    """SOURCE as a Hub repo (ORG/NAME, as `transfer` takes it): read in ranges through the real
+    huggingface_hub client, the same bytes as from a local copy, the manifest pinned to the commit."""
+    write_model(tmp_path / "hf", "qwen2")
+    repo = fake_hub.add_repo("org/tiny", folder=tmp_path / "hf")
+    result = run_cli("shard", "org/tiny", str(tmp_path / "out"), "-tp", "2", "--json")
+    assert result.exit_code == 0, result.stderr
+    shard(tmp_path / "hf", tmp_path / "local", tensor_parallel_size=2)
+    names = sorted(path.name for path in (tmp_path / "local").glob("model-rank-*"))
+    assert names and sorted(path.name for path in (tmp_path / "out").glob("model-rank-*")) == names
+    for name in names:
+        assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    manifest = json.loads((tmp_path / "out" / SHARD_MANIFEST_NAME).read_text())
+    assert manifest["source"] == f"hf://org/tiny@{repo.refs['main']}"
+    assert fake_hub.count("/resolve/", role="hub") + fake_hub.count("/resolve/", role="cdn") > 0
+    missing = run_cli("shard", "org/absent", str(tmp_path / "out2"), "-tp", "2")
+    assert missing.exit_code == 3 and "Traceback" not in missing.stderr
+
+
 def test_cli_writes_into_a_bucket_with_json(tmp_path: Path, s3_root: str, storage_env: dict[str, str]) -> None:
     write_model(tmp_path / "hf", "mistral")
     result = run_cli("shard", str(tmp_path / "hf"), f"{s3_root}/m", "-tp", "2", "--json", env=storage_env)

@@ -613,6 +613,17 @@ def resolve_source_url(text: str, repo_type: str | None = None) -> str:
     return text
 
 
+def pinned_source(location: Location) -> str:
+    """For manifests that record one string: a Hub source as the URL of the commit its revision resolved
+    to (`hf://ORG/NAME@SHA[/PATH]`, which opens those exact files again); other sources as they are."""
+    commit: str | None = getattr(location.store, "commit", None)
+    if commit is None:
+        return location.url
+    kind = "datasets/" if getattr(location.store, "repo_type", "model") == "dataset" else ""
+    path = f"/{location.prefix}" if location.prefix else ""
+    return f"hf://{kind}{location.store.repo_id}@{commit}{path}"  # type: ignore[attr-defined]
+
+
 def source_identity(location: Location) -> str:
     """What the manifest records as the source: the repo without its revision (the commit is separate)."""
     repo_id = getattr(location.store, "repo_id", None)

@@ -34,7 +34,11 @@ class EngineOption(str, Enum):
 
 def command(
     source: Annotated[
-        str, typer.Argument(help="Hugging Face safetensors checkpoint: a local folder or bucket prefix.")
+        str,
+        typer.Argument(
+            help="Hugging Face safetensors checkpoint: a local folder, a bucket prefix, or a Hub repo "
+            "(hf://ORG/NAME[@REV] or ORG/NAME; read in ranges, never downloaded whole; HF_TOKEN for gated ones).",
+        ),
     ],
     dest: Annotated[str, typer.Argument(help="Local folder or s3://, gs://, az:// prefix for the sharded files.")],
     tensor_parallel_size: Annotated[
@@ -96,7 +100,7 @@ def command(
     from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.transfer import source_identity
+    from streamctl.transfer import pinned_source, resolve_source_url
 
     options = ShardOptions(
         tensor_parallel_size=tensor_parallel_size,
@@ -112,13 +116,11 @@ def command(
     options.validate()
     keep_freed_buffers_in_the_heap()
     storage = StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
-    source_location = open_location(source, storage)
+    source_location = open_location(resolve_source_url(source), storage)
     dest_location = open_location(dest, storage)
     try:
         with output.progress(byte_counts=True) as progress:
-            result = shard_checkpoint(
-                source_location, dest_location, options, progress, source_identity(source_location)
-            )
+            result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
     except ShardCheckFailed as failure:
         if output.settings.json:
             output.print_json(failure.result.to_json())
