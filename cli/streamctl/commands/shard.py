@@ -37,7 +37,7 @@ def command(
         str,
         typer.Argument(
             help="Hugging Face safetensors checkpoint: a local folder, a bucket prefix, or a Hub repo "
-            "(hf://ORG/NAME[@REV] or ORG/NAME; read in ranges, never downloaded whole; HF_TOKEN for gated ones).",
+            "(hf://ORG/NAME or ORG/NAME, @REV for a revision; read in ranges, never downloaded whole).",
         ),
     ],
     dest: Annotated[str, typer.Argument(help="Local folder or s3://, gs://, az:// prefix for the sharded files.")],
