@@ -788,3 +788,60 @@ def test_local_writes_start_writeback_best_effort(tmp_path: Path) -> None:
     upload.upload_part(1, b"b" * 10)
     upload.complete()
     assert (tmp_path / "big.bin").read_bytes() == b"a" * (1 << 20) + b"b" * 10
+
+
+def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
+    s3_root: str, storage_servers: StorageServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials that may write objects but not list multipart uploads (a common least-privilege
+    policy) are enough for a run: the clean-up of earlier runs' uploads is skipped with a note, not fatal."""
+    from streamctl.progress import Progress
+    from streamctl.transfer import discard_unfinished_uploads
+
+    server = storage_servers.s3()
+    assert isinstance(server, S3Server)
+    bucket = parse_url(s3_root).bucket
+    root = open_root(s3_root)
+    left = root.store.start_multipart(root.key("model.safetensors"), root.store.min_part_size)
+    left.upload_part(0, b"x")  # an earlier run's, killed
+    iam = server.iam_client()
+    user = unique_name("writer")
+    iam.create_user(UserName=user)
+    actions = '["s3:ListBucket", "s3:GetObject", "s3:PutObject"]'
+    iam.put_user_policy(
+        UserName=user,
+        PolicyName="write-no-uploads-listing",
+        PolicyDocument=(
+            f'{{"Version": "2012-10-17", "Statement": [{{"Effect": "Allow", "Action": {actions},'
+            f' "Resource": ["arn:aws:s3:::{bucket}", "arn:aws:s3:::{bucket}/*"]}}]}}'
+        ),
+    )
+    key = iam.create_access_key(UserName=user)["AccessKey"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
+    limited = open_root(s3_root)
+    notes: list[str] = []
+
+    class Notes:
+        def task(self, description: str, total: int | None) -> int:
+            return 0
+
+        def advance(self, task_id: int, amount: int) -> None: ...
+
+        def done(self, task_id: int) -> None: ...
+
+        def log(self, message: str) -> None:
+            notes.append(message)
+
+    progress: Progress = Notes()
+    server.set_auth(True)
+    try:
+        with pytest.raises(AccessDeniedError):
+            limited.store.unfinished_uploads(limited.key(""))  # the policy really is evaluated
+        assert discard_unfinished_uploads(limited, lambda name: True, progress) == ()
+        limited.store.put(limited.key("config.json"), b"{}")  # ... and the run goes on
+    finally:
+        server.set_auth(False)
+    assert len(notes) == 1 and notes[0].startswith("could not look for unfinished uploads of earlier runs")
+    assert [upload.key for upload in root.store.unfinished_uploads(root.key(""))] == [left.key]
+    left.abort()

@@ -545,13 +545,27 @@ def put_json(location: Location, name: str, document: object) -> None:
 def discard_unfinished_uploads(dest: Location, ours: Callable[[str], bool], progress: Progress) -> tuple[str, ...]:
     """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
     them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
-    files take disk, until someone does. Unfinished uploads of other objects are left alone."""
+    files take disk, until someone does. Unfinished uploads of other objects are left alone.
+
+    Best effort: credentials that may write but not list or abort uploads (no s3:ListBucketMultipartUploads,
+    say) are common and enough for the run itself, so a refusal here is reported, never fatal.
+    """
+    try:
+        unfinished = dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else "")
+    except StreamctlError as error:
+        progress.log(f"could not look for unfinished uploads of earlier runs: {error.message}")
+        return ()
     discarded = []
-    for upload in dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else ""):
+    for upload in unfinished:
         name = dest.relative(upload.key)
-        if ours(name):
+        if not ours(name):
+            continue
+        try:
             upload.discard()
-            discarded.append(name)
+        except StreamctlError as error:
+            progress.log(f"could not discard an unfinished upload of {name}: {error.message}")
+            continue
+        discarded.append(name)
     if discarded:
         shown = ", ".join(sorted(set(discarded))[:5]) + (", ..." if len(set(discarded)) > 5 else "")
         progress.log(f"discarded {len(discarded)} unfinished upload(s) an earlier run left: {shown}")
