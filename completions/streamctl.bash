@@ -17,9 +17,9 @@ _streamctl() {
             case "$prev" in
                 --dtype) COMPREPLY=($(compgen -W "auto bfloat16 float16 float32" -- "$cur")); return ;;
                 --engine) COMPREPLY=($(compgen -W "offline vllm" -- "$cur")); return ;;
-                --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--token|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --force --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --force --token --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         transfer)
             case "$prev" in
                 --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;

@@ -43,6 +43,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from shard' -l dtype -x -a 'aut
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l vllm-version -r -F -d 'vLLM version whose layout to write (default: the installed vllm\'s, else the newest known)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l engine -x -a 'offline vllm' -d 'offline: streamctl\'s CPU writer; vllm: vLLM\'s own save (needs GPUs)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l force -d 'Write into a DEST that holds files; remove old weights there'
+complete -c streamctl -n '__fish_seen_subcommand_from shard' -l token -r -F -d 'Hugging Face token (never printed)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l endpoint-url -r -F -d 'S3-compatible endpoint (MinIO, R2, GCS interop ...)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l path-style -l virtual-host-style -d 'S3 addressing; default from RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING (0 = path style)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l azure-account -r -F -d 'Azure storage account for az:// URLs'

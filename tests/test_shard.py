@@ -799,6 +799,15 @@ def test_hub_repo_as_source(tmp_path: Path, fake_hub: Any) -> None:
     assert fake_hub.count("/resolve/", role="hub") + fake_hub.count("/resolve/", role="cdn") > 0
     missing = run_cli("shard", "org/absent", str(tmp_path / "out2"), "-tp", "2")
     assert missing.exit_code == 3 and "Traceback" not in missing.stderr
+    token = fake_hub.add_token("hf_gated_secret")
+    fake_hub.add_repo("org/gated", folder=tmp_path / "hf", gated=True, granted=[token])
+    refused = run_cli("shard", "hf://org/gated", str(tmp_path / "gated"), "-tp", "2")
+    assert refused.exit_code == 4 and not (tmp_path / "gated").exists()
+    granted = run_cli("shard", "hf://org/gated", str(tmp_path / "gated"), "-tp", "2", "--token", token, "--json")
+    assert granted.exit_code == 0, granted.stderr
+    assert token not in granted.stdout + granted.stderr + "".join(
+        path.read_text() for path in (tmp_path / "gated").glob("*.json")
+    )
 
 
 def test_cli_writes_into_a_bucket_with_json(tmp_path: Path, s3_root: str, storage_env: dict[str, str]) -> None:

@@ -41,6 +41,11 @@ AzureAccountOption = Annotated[
     ),
 ]
 
+HfTokenOption = Annotated[
+    Optional[str],
+    typer.Option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
+]
+
 
 def apply_output_flags(json_output: bool, quiet: bool, debug: bool) -> None:
     output.configure(json_output=json_output, quiet=quiet, debug=debug)

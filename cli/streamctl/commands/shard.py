@@ -12,6 +12,7 @@ from streamctl import output
 from streamctl.commands.common import (
     AzureAccountOption,
     DebugOption,
+    HfTokenOption,
     EndpointOption,
     JsonOption,
     PathStyleOption,
@@ -79,6 +80,7 @@ def command(
     force: Annotated[
         bool, typer.Option("--force", help="Write into a DEST that holds files; remove old weights there.")
     ] = False,
+    token: HfTokenOption = None,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
     azure_account: AzureAccountOption = None,
@@ -115,7 +117,9 @@ def command(
     )
     options.validate()
     keep_freed_buffers_in_the_heap()
-    storage = StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+    storage = StorageOptions(
+        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
+    )
     source_location = open_location(resolve_source_url(source), storage)
     dest_location = open_location(dest, storage)
     try:

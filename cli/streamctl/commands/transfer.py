@@ -11,6 +11,7 @@ from streamctl import output
 from streamctl.commands.common import (
     AzureAccountOption,
     DebugOption,
+    HfTokenOption,
     EndpointOption,
     JsonOption,
     PathStyleOption,
@@ -47,10 +48,7 @@ def command(
     max_buffer: Annotated[
         str, typer.Option("--max-buffer", metavar="SIZE", help="Most bytes held in memory at once.")
     ] = "256MiB",
-    token: Annotated[
-        Optional[str],
-        typer.Option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
-    ] = None,
+    token: HfTokenOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; touch nothing.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Copy every file again; ignore the manifest.")] = False,
     verify: Annotated[
