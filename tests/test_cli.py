@@ -155,3 +155,12 @@ def test_help_texts_survive_rich_rendering() -> None:
         assert all("\n" not in paragraph for paragraph in paragraphs), name
     result = run_cli("transfer", "--help", env={"COLUMNS": "200"})
     assert "Hugging Face repo type (default: model)." in result.stdout
+
+
+@pytest.mark.parametrize("command", ["transfer", "shard"])
+def test_the_hub_is_never_a_destination(tmp_path: Path, command: str) -> None:
+    """Refused up front (exit 2, no request sent: HF_ENDPOINT points nowhere), not after a failed listing."""
+    extra = ["-tp", "2"] if command == "shard" else []
+    result = run_cli(command, str(tmp_path), "hf://org/model", *extra, env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.exit_code == 2, result.stderr
+    assert "read-only here; it can be a SOURCE, not a DEST" in result.stderr and "Traceback" not in result.stderr

@@ -101,7 +101,7 @@ def command(
     from streamctl.memory import keep_freed_buffers_in_the_heap
     from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
-    from streamctl.storage import StorageOptions, open_location
+    from streamctl.storage import StorageOptions, open_destination, open_location
     from streamctl.transfer import pinned_source, resolve_source_url
 
     options = ShardOptions(
@@ -121,7 +121,7 @@ def command(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
     )
     source_location = open_location(resolve_source_url(source), storage)
-    dest_location = open_location(dest, storage)
+    dest_location = open_destination(dest, storage)
     try:
         with output.progress(byte_counts=True) as progress:
             result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))

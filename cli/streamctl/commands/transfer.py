@@ -86,7 +86,7 @@ def command(
     from streamctl.k8s import k8s_name, to_yaml, transfer_job
     from streamctl.memory import return_large_buffers_to_the_os
     from streamctl.sizes import parse_size
-    from streamctl.storage import StorageOptions, open_location
+    from streamctl.storage import StorageOptions, open_destination, open_location
     from streamctl.transfer import (
         TransferOptions,
         execute_transfer,
@@ -137,7 +137,7 @@ def command(
     source_location = open_location(
         source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value if repo_type else None, **storage)
     )
-    dest_location = open_location(dest, StorageOptions(**storage))
+    dest_location = open_destination(dest, StorageOptions(**storage))
     plan = plan_transfer(source_location, dest_location, source_identity(source_location), options)
     if dry_run:
         if output.settings.json:

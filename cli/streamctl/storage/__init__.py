@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from streamctl.errors import UsageError
 from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, Store, StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
 
@@ -33,6 +34,20 @@ def open_location(url: str, options: StorageOptions | None = None) -> Location:
     return Location(store, parsed.prefix)
 
 
+READ_ONLY_SCHEMES = frozenset({"hf"})
+
+
+def open_destination(url: str, options: StorageOptions | None = None) -> Location:
+    """open_location for a place to write: a read-only store (the Hub) is refused before any request."""
+    parsed = parse_url(url)
+    if parsed.scheme in READ_ONLY_SCHEMES:
+        raise UsageError(
+            f"{url}: the Hugging Face Hub is read-only here; it can be a SOURCE, not a DEST",
+            hint="write to a folder or a bucket (publish to the Hub with `hf upload`)",
+        )
+    return open_location(url, options)
+
+
 __all__ = [
     "BACKENDS",
     "Location",
@@ -41,6 +56,7 @@ __all__ = [
     "ParsedURL",
     "StorageOptions",
     "Store",
+    "open_destination",
     "open_location",
     "parse_url",
 ]
