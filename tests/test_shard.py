@@ -842,9 +842,9 @@ def test_interrupt_aborts_every_upload_and_leaves_no_file(
     import signal
     import time
 
-    # ~95 MB of weights: rank files of ~48 MB go out as several 8 MiB parts, long enough to interrupt.
+    # ~145 MB of weights: rank files of ~72 MB go out as several 8 MiB parts, long enough to interrupt.
     write_model(
-        tmp_path / "hf", "llama-gqa", hidden_size=512, intermediate_size=2048, vocab_size=32000, num_hidden_layers=4
+        tmp_path / "hf", "llama-gqa", hidden_size=512, intermediate_size=4096, vocab_size=32000, num_hidden_layers=4
     )
     if where == "s3":
         import boto3
