@@ -728,13 +728,13 @@ def test_a_failed_check_fails_the_run_and_writes_no_manifest(tmp_path: Path, mon
 
 
 def test_reads_are_small_ranged_reads_inside_one_tensor(tmp_path: Path) -> None:
-    """Memory never holds a tensor whole: every data read is one block (upload_chunk at most) of one tensor."""
+    """Memory never holds a tensor whole: every data read is one block (read_block at most) of one tensor."""
     from checkpoints import counting
 
     write_model(tmp_path / "hf", "llama-gqa", intermediate_size=4096)  # 256 KiB MLP tensors
     source, store = counting(open_location(str(tmp_path / "hf")))
     shard_checkpoint(
-        source, open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2, upload_chunk=65536)
+        source, open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2, read_block=65536)
     )
     spans = []
     for path in (tmp_path / "hf").glob("*.safetensors"):
@@ -765,7 +765,9 @@ def test_bucket_source_and_destination(tmp_path: Path, bucket_root: str) -> None
     for path in (tmp_path / "hf").iterdir():
         source.store.put(source.key(path.name), path.read_bytes())
     dest = open_location(f"{bucket_root}/sharded")
-    options = ShardOptions(tensor_parallel_size=2, pipeline_parallel_size=2, upload_chunk=4096, max_buffer=64 * 4096)
+    options = ShardOptions(
+        tensor_parallel_size=2, pipeline_parallel_size=2, upload_chunk=4096, read_block=4096, max_buffer=64 * 4096
+    )
     result = shard_checkpoint(source, dest, options)
     assert result.ok and result.reconstruction is not None and result.reconstruction.bytes_compared > 0
     if dest.store.min_part_size <= 4096:
@@ -1175,7 +1177,7 @@ def test_a_small_buffer_never_stalls_the_writer(tmp_path: Path, tp: int) -> None
     """Blocks read ahead hold budget until handed to the writers: with a budget of a few blocks (column
     copies and casts make blocks count double) the writer must still make progress, not wait on itself."""
     config, hf = write_model(tmp_path / "hf", "llama-mha", intermediate_size=1024)
-    options = ShardOptions(tensor_parallel_size=tp, upload_chunk=4096, max_buffer=3 * 4096, dtype="float32")
+    options = ShardOptions(tensor_parallel_size=tp, read_block=4096, max_buffer=3 * 4096, dtype="float32")
     result = shard_checkpoint(open_location(str(tmp_path / "hf")), open_location(str(tmp_path / "out")), options)
     assert result.ok
     as_f32 = {name: (array.astype(np.uint32) << 16).view(np.float32) for name, array in hf.items()}
