@@ -795,8 +795,8 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
 ) -> None:
     """Credentials that may write objects but not list multipart uploads (a common least-privilege
     policy) are enough for a run: the clean-up of earlier runs' uploads is skipped with a note, not fatal."""
-    from streamctl.progress import Progress
     from streamctl.transfer import discard_unfinished_uploads
+    from test_verify import RecordingProgress
 
     server = storage_servers.s3()
     assert isinstance(server, S3Server)
@@ -820,20 +820,7 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", key["AccessKeyId"])
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key["SecretAccessKey"])
     limited = open_root(s3_root)
-    notes: list[str] = []
-
-    class Notes:
-        def task(self, description: str, total: int | None) -> int:
-            return 0
-
-        def advance(self, task_id: int, amount: int) -> None: ...
-
-        def done(self, task_id: int) -> None: ...
-
-        def log(self, message: str) -> None:
-            notes.append(message)
-
-    progress: Progress = Notes()
+    progress = RecordingProgress()
     server.set_auth(True)
     try:
         with pytest.raises(AccessDeniedError):
@@ -842,6 +829,7 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
         limited.store.put(limited.key("config.json"), b"{}")  # ... and the run goes on
     finally:
         server.set_auth(False)
+    notes = [message for kind, message in progress.events if kind == "log"]
     assert len(notes) == 1 and notes[0].startswith("could not look for unfinished uploads of earlier runs")
     assert [upload.key for upload in root.store.unfinished_uploads(root.key(""))] == [left.key]
     left.abort()

@@ -656,6 +656,12 @@ class _SourceListing:
     sizes: Mapping[str, int]  # every object, by path relative to the source
 
 
+def _serving_files(listing: _SourceListing, config: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """(path, size) of what DEST gets beside the weights (config, tokenizer, custom code when auto_map)."""
+    paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
+    return tuple((path, listing.sizes[path]) for path in paths)
+
+
 def _list_source(source: Location) -> _SourceListing:
     sizes = {source.relative(info.key): info.size for info in source.list()}
     sizes = {name: size for name, size in sizes.items() if name}
@@ -880,7 +886,6 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         stages.append(StagePlan(pp_rank, layers, split_into_parts(planned, options.max_part_size)))
     _check_every_source_used(tensors, stages, dims.tied)
 
-    serving = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
     plan = ShardPlan(
         source=source_id or source.url,
         dest=dest.url,
@@ -893,7 +898,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         dtype=options.dtype,
         max_part_size=options.max_part_size,
         stages=tuple(stages),
-        serving_files=tuple((path, listing.sizes[path]) for path in serving),
+        serving_files=_serving_files(listing, config),
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
     )
@@ -1749,9 +1754,7 @@ def shard_checkpoint(
     files, bytes_written = write_sharded(plan, source, dest, options, progress)
     write_seconds = time.monotonic() - started
     removed = remove_stale(dest, plan.stale, progress)
-    copied = copy_serving_files(source, dest, plan.serving_files, options.retry)
-    verify = check_verify(dest, plan, progress)
-    reconstruction = check_reconstruction(source, dest, plan, options.retry, progress, chunk=options.read_block)
+    copied, verify, reconstruction = _copy_and_check(source, dest, plan, options, progress, dtype_from_files=False)
     result = ShardResult(
         plan,
         "offline",
@@ -1765,6 +1768,33 @@ def shard_checkpoint(
         reconstruction,
         discarded,
     )
+    return _record(dest, result)
+
+
+def _copy_and_check(
+    source: Location,
+    dest: Location,
+    plan: ShardPlan,
+    options: ShardOptions,
+    progress: Progress,
+    *,
+    dtype_from_files: bool,
+) -> tuple[tuple[CopiedFile, ...], VerifyReport, ReconstructionReport | None]:
+    """After the weights: the serving files, then both checks (no reconstruction without a layout)."""
+    copied = copy_serving_files(source, dest, plan.serving_files, options.retry)
+    verify = check_verify(dest, plan, progress)
+    reconstruction = (
+        check_reconstruction(
+            source, dest, plan, options.retry, progress, dtype_from_files=dtype_from_files, chunk=options.read_block
+        )
+        if plan.stages
+        else None
+    )
+    return copied, verify, reconstruction
+
+
+def _record(dest: Location, result: ShardResult) -> ShardResult:
+    """The manifest, once both checks passed; ShardCheckFailed (exit 1, no manifest) otherwise."""
     if not result.ok:
         raise ShardCheckFailed(result)
     write_manifest(dest, result)
@@ -1867,24 +1897,16 @@ def shard_with_vllm(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
-        serving_paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
-        serving = [(path, listing.sizes[path]) for path in serving_paths]
+        serving = _serving_files(listing, config)
         discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
         files = _copy_saved_files(saved, dest, pattern, options, progress)
     write_seconds = time.monotonic() - started
-    plan = _plan_for_saved(source, dest, options, config, version, pattern, files, source_id, existing_stale)
+    architecture = str((config.get("architectures") or ["?"])[0])
+    plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, existing_stale, architecture)
     removed = remove_stale(
         dest, tuple(name for name in existing_stale if name not in {file.path for file in files}), progress
     )
-    copied = copy_serving_files(source, dest, plan.serving_files, options.retry)
-    verify = check_verify(dest, plan, progress)
-    reconstruction = (
-        check_reconstruction(
-            source, dest, plan, options.retry, progress, dtype_from_files=True, chunk=options.read_block
-        )
-        if plan.stages
-        else None
-    )
+    copied, verify, reconstruction = _copy_and_check(source, dest, plan, options, progress, dtype_from_files=True)
     result = ShardResult(
         plan,
         "vllm",
@@ -1898,10 +1920,7 @@ def shard_with_vllm(
         reconstruction,
         discarded,
     )
-    if not result.ok:
-        raise ShardCheckFailed(result)
-    write_manifest(dest, result)
-    return result
+    return _record(dest, result)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -1962,24 +1981,22 @@ def _plan_for_saved(
     source: Location,
     dest: Location,
     options: ShardOptions,
-    config: Mapping[str, Any],
+    serving_files: tuple[tuple[str, int], ...],
     version: str | None,
     pattern: str,
-    files: Sequence[WrittenFile],
     source_id: str | None,
     stale: tuple[str, ...],
+    architecture: str,
 ) -> ShardPlan:
     """A plan describing vLLM's files; it carries the table's layout (for the reconstruction check) when
     the architecture is in the table, and no stages otherwise."""
-    listing = _list_source(source)
     try:
         plan = plan_shard(source, dest, replace(options, engine="offline", force=True), source_id)
         return replace(plan, pattern=pattern, stale=stale)
     except UsageError:
         pass
     row = layout_row(version)
-    dims = ModelDims(str((config.get("architectures") or ["?"])[0]), 0, 0, 0, 0, 0, 0, 0, False)
-    serving = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
+    dims = ModelDims(architecture, 0, 0, 0, 0, 0, 0, 0, False)
     return ShardPlan(
         source=source_id or source.url,
         dest=dest.url,
@@ -1992,7 +2009,7 @@ def _plan_for_saved(
         dtype=options.dtype,
         max_part_size=options.max_part_size,
         stages=(),
-        serving_files=tuple((path, listing.sizes[path]) for path in serving),
+        serving_files=serving_files,
         stale=stale,
         tied_lm_head=None,
     )

@@ -631,18 +631,16 @@ def pinned_source(location: Location) -> str:
     """For manifests that record one string: a Hub source as the URL of the commit its revision resolved
     to (`hf://ORG/NAME@SHA[/PATH]`, which opens those exact files again); other sources as they are."""
     commit: str | None = getattr(location.store, "commit", None)
-    if commit is None:
-        return location.url
-    kind = "datasets/" if getattr(location.store, "repo_type", "model") == "dataset" else ""
-    path = f"/{location.prefix}" if location.prefix else ""
-    return f"hf://{kind}{location.store.repo_id}@{commit}{path}"  # type: ignore[attr-defined]
+    return source_identity(location, commit) if commit else location.url
 
 
-def source_identity(location: Location) -> str:
-    """What the manifest records as the source: the repo without its revision (the commit is separate)."""
+def source_identity(location: Location, commit: str | None = None) -> str:
+    """What the manifest records as the source: the repo without its revision (the commit is separate),
+    or pinned to `commit`."""
     repo_id = getattr(location.store, "repo_id", None)
     if repo_id is not None:
         kind = getattr(location.store, "repo_type", "model")
         path = f"/{location.prefix}" if location.prefix else ""
-        return f"hf://{'datasets/' if kind == 'dataset' else ''}{repo_id}{path}"
+        pin = f"@{commit}" if commit else ""
+        return f"hf://{'datasets/' if kind == 'dataset' else ''}{repo_id}{pin}{path}"
     return location.url
