@@ -641,11 +641,11 @@ def test_force_replaces_old_weights(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="already holds"):
         shard(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
     result = shard(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2, force=True)
-    # The old ranks 2 and 3 would be loaded (or flagged) next to the new files; the old manifest is rewritten.
+    # The old ranks 2 and 3 would be loaded (or flagged) next to the new files; the old manifest is replaced
+    # in place (first by the run's "incomplete" one), so it is not among the removed.
     assert sorted(result.removed) == [
         "model-rank-2-part-0.safetensors",
         "model-rank-3-part-0.safetensors",
-        SHARD_MANIFEST_NAME,
     ]
     assert sorted(path.name for path in (tmp_path / "out").glob("*.safetensors")) == [
         "model-rank-0-part-0.safetensors",
@@ -724,7 +724,8 @@ def test_a_failed_check_fails_the_run_and_writes_no_manifest(tmp_path: Path, mon
         shard(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
     assert failure.value.exit_code == 1
     assert failure.value.result.verify.ok and not failure.value.result.reconstruction.ok
-    assert not (tmp_path / "out" / SHARD_MANIFEST_NAME).exists()
+    # No completed manifest: the one left says the run never completed (verify-index and serve refuse it).
+    assert json.loads((tmp_path / "out" / SHARD_MANIFEST_NAME).read_text())["complete"] is False
 
 
 def test_reads_are_small_ranged_reads_inside_one_tensor(tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ import posixpath
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-MANIFEST_NAME = "streamctl-manifest.json"
+MANIFEST_NAME = "streamctl-manifest.json"  # written by `transfer`
+SHARD_MANIFEST_NAME = "streamctl-shard-manifest.json"  # written by `shard`; `"complete": false` until it ends
 
 TOKENIZER_FILES = frozenset(
     {

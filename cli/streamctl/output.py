@@ -215,11 +215,20 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
         table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), escape(file.path), escape(file.reason))
     for selection in plan.excluded:
         table.add_row("[yellow]leave out[/]", "", escape(selection.path), escape(selection.reason))
+    for path in plan.cleanup.to_remove:
+        table.add_row("[red]remove[/]", "", escape(path), "an earlier streamctl run wrote it; removed after copying")
+    for item in plan.cleanup.left_alone:
+        table.add_row("[dim]leave alone[/]", "", escape(item.path), escape(f"in DEST, {item.reason}"))
     console.print(table)
     copying = sum(1 for file in plan.files if file.action == "copy")
+    in_dest = ""
+    if plan.cleanup.to_remove:
+        in_dest += f", {len(plan.cleanup.to_remove)} in DEST to remove after copying"
+    if plan.cleanup.left_alone:
+        in_dest += f", {len(plan.cleanup.left_alone)} in DEST left alone"
     console.print(
         f"{copying} of {len(plan.files)} files to copy ({human_bytes(plan.copy_bytes)} of "
-        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out",
+        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out{in_dest}",
         highlight=False,
     )
 
@@ -228,6 +237,8 @@ def render_transfer_result(result: TransferResult) -> None:
     copied = sum(1 for file in result.files if file.action == "copied")
     skipped = len(result.files) - copied
     discarded = f"; discarded {len(result.discarded)} unfinished uploads of an earlier run" if result.discarded else ""
+    if result.removed:
+        discarded += f"; removed {len(result.removed)} files an earlier streamctl run wrote"
     stdout().print(
         f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged{discarded}; "
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
@@ -282,6 +293,9 @@ def render_shard_result(result: ShardResult) -> None:
     parallel = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
     layout = f"{parallel}, {plan.row.label}, pattern {plan.pattern}"
     removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
+    foreign = sum(1 for item in plan.left_alone if not item.streamctl)
+    if foreign:
+        removed += f"; left {foreign} files streamctl did not write"
     if result.discarded:
         removed += f"; discarded {len(result.discarded)} unfinished uploads of an earlier run"
     console.print(

@@ -46,7 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from functools import partial
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from streamctl import __version__
 from streamctl.errors import (
@@ -56,8 +56,10 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import select_serving_files
+from streamctl.fileset import SHARD_MANIFEST_NAME, select_serving_files
 from streamctl.interrupts import Shielded, shielded_calls
+from streamctl.locations import check_disjoint
+from streamctl.ownership import Cleanup, LeftAlone, plan_cleanup, read_manifests, remove_files, written_by_streamctl
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.safetensors import (
@@ -92,7 +94,7 @@ from streamctl.sharded import (
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
-from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.verify import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -109,13 +111,13 @@ READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 MAX_BUFFER = 128 * MiB  # bytes read (and copied) but not yet written, at most
 RECONSTRUCTION_THREADS = 2  # tensors checked side by side (each holds ~2 blocks)
 SCALE_ONE_BYTES = b"\x00\x00\x80\x3f"  # float32 1.0, little-endian: vLLM's attention scale buffers
-SHARD_MANIFEST_NAME = "streamctl-shard-manifest.json"
 CONFIG_NAME = "config.json"
 HF_INDEX_NAME = "model.safetensors.index.json"
 # Hugging Face checkpoints of old models carry rotary caches that vLLM's loaders skip.
 IGNORED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 MAX_CONFIG_BYTES = 10_000_000
 
+_T = TypeVar("_T")
 DtypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
 Engine = Literal["offline", "vllm"]
 DTYPE_CHOICES: Mapping[str, str | None] = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -256,8 +258,9 @@ class ShardPlan:
     max_part_size: int
     stages: tuple[StagePlan, ...]
     serving_files: tuple[tuple[str, int], ...]  # (path, size) of the non-weight files to copy
-    stale: tuple[str, ...]  # existing DEST objects that --force removes (old weights and indexes)
+    stale: tuple[str, ...]  # DEST files earlier streamctl runs wrote that --force removes (see streamctl.ownership)
     tied_lm_head: SourceTensor | None  # the checkpoint's own lm_head when config says tied: must equal embed
+    left_alone: tuple[LeftAlone, ...] = ()  # DEST files this run neither writes nor removes
 
     def files(self) -> list[PlannedFile]:
         return [file for stage in self.stages for file in stage_files(self, stage)]
@@ -353,6 +356,7 @@ class ShardResult:
             ],
             "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
             "removed": list(self.removed),
+            "left_alone": [item.to_json() for item in self.plan.left_alone],
             "discarded_uploads": list(self.discarded),
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
@@ -373,7 +377,8 @@ class ShardCheckFailed(VerificationFailed):
         failed = [name for name, ok in (("verify", result.verify.ok), ("reconstruction", reconstruction_ok)) if not ok]
         super().__init__(
             f"{result.plan.dest}: the {' and '.join(failed)} check failed after writing",
-            hint="the files are left in place for inspection and no manifest was written; see the report",
+            hint="the files are left in place for inspection, marked incomplete (verify-index and serve refuse "
+            "them); see the report",
         )
         self.result = result
 
@@ -809,36 +814,39 @@ def _list_dest(dest: Location) -> dict[str, ObjectInfo]:
         raise
 
 
-def _same_location(source: Location, dest: Location) -> bool:
-    return source.store.url(source.prefix) == dest.store.url(dest.prefix)
-
-
-def _check_dest(dest: Location, source: Location, output_names: set[str], force: bool) -> tuple[str, ...]:
-    """UsageError when DEST holds files and --force is not given; with it, the stale weights to remove."""
-    if _same_location(source, dest):
-        raise UsageError(f"DEST {dest.url} is the SOURCE; write the sharded files somewhere else")
+def _check_dest(dest: Location, pattern: str, writes: set[str], force: bool) -> Cleanup:
+    """UsageError when DEST holds files and --force is not given; with it, what --force removes there (files
+    a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
     existing = _list_dest(dest)
+    manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
+    written_before = written_by_streamctl(manifests, existing)
+    from streamctl.sharded import parse_sharded_name
+
+    def own_output(name: str) -> bool:
+        return parse_sharded_name(pattern, name) is not None
+
     if existing and not force:
         shown = ", ".join(sorted(existing)[:3]) + (", ..." if len(existing) > 3 else "")
-        interrupted = SHARD_MANIFEST_NAME not in existing and not output_names.isdisjoint(existing)
         raise UsageError(
             f"{dest.url} already holds {len(existing)} files ({shown})",
             hint=(
-                f"these look like an interrupted shard run (no {SHARD_MANIFEST_NAME}); pass --force to write them again"
-                if interrupted
-                else "choose an empty destination, or pass --force to replace the weights there"
+                "these look like an interrupted shard run (its manifest is missing or incomplete); "
+                "pass --force to write them again"
+                if _looks_interrupted(existing, manifests.get(SHARD_MANIFEST_NAME), own_output)
+                else "choose an empty destination, or pass --force to replace what streamctl wrote there"
             ),
         )
-    # Old weights and indexes would be loaded (or flagged) next to the new files: --force removes them.
-    return tuple(
-        sorted(
-            name
-            for name in existing
-            if "/" not in name
-            and name not in output_names
-            and (name.endswith((".safetensors", ".safetensors.index.json")) or name == SHARD_MANIFEST_NAME)
-        )
-    )
+    return plan_cleanup(existing, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
+
+
+def _looks_interrupted(
+    existing: Mapping[str, ObjectInfo], manifest: Mapping[str, Any] | None, own_output: Callable[[str], bool]
+) -> bool:
+    """A shard run that did not finish: its manifest says so, or there is none and DEST holds rank files of
+    our pattern (a folder holding only other things, a Hugging Face checkpoint say, is not one)."""
+    if SHARD_MANIFEST_NAME in existing:
+        return manifest is not None and manifest.get("complete") is False
+    return any(own_output(name) for name in existing)
 
 
 def plan_shard(source: Location, dest: Location, options: ShardOptions, source_id: str | None = None) -> ShardPlan:
@@ -860,6 +868,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
             hint="that vLLM fills in " + ", ".join(f"{{{name}}}" for name in sorted(row.pattern_fields)),
         )
     validate_pattern(pattern, tp, pp)
+    check_disjoint(source, dest)
 
     listing = _list_source(source)
     if CONFIG_NAME not in listing.sizes:
@@ -903,8 +912,8 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
     )
     output_names = {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
-    stale = _check_dest(dest, source, output_names, options.force)
-    return replace(plan, stale=stale)
+    cleanup = _check_dest(dest, pattern, output_names, options.force)
+    return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
 
 
 # =============================================================================================== casting
@@ -1448,13 +1457,6 @@ def copy_serving_files(
     return tuple(copied)
 
 
-def remove_stale(dest: Location, names: Sequence[str], progress: Progress) -> tuple[str, ...]:
-    for name in names:
-        progress.log(f"--force: removing {name}, which the new layout does not use")
-        dest.store.delete(dest.key(name))
-    return tuple(names)
-
-
 # =============================================================================================== checks
 
 
@@ -1465,7 +1467,9 @@ def check_verify(dest: Location, plan: ShardPlan, progress: Progress) -> VerifyR
         pipeline_parallel_size=plan.pipeline_parallel_size,
         pattern=plan.pattern,
     )
-    return verify_checkpoint(dest, options, progress)
+    report = verify_checkpoint(dest, options, progress)
+    # The run's own "incomplete" manifest is still in place while it checks: that finding is not the files'.
+    return replace(report, findings=tuple(f for f in report.findings if f.code != SHARD_INCOMPLETE_CODE))
 
 
 @dataclass(frozen=True)
@@ -1686,6 +1690,7 @@ def write_manifest(dest: Location, result: ShardResult) -> None:
     manifest = {
         "tool": "streamctl",
         "version": __version__,
+        "complete": True,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "source": plan.source,
         "engine": result.engine,
@@ -1717,8 +1722,94 @@ def write_manifest(dest: Location, result: ShardResult) -> None:
             for (pp_rank, tp_rank), files in sorted(ranks.items())
         ],
         "files": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in result.copied],
+        "older_files": [item.path for item in plan.left_alone if item.streamctl],
     }
     put_json(dest, SHARD_MANIFEST_NAME, manifest)
+
+
+def write_incomplete_manifest(
+    dest: Location,
+    *,
+    source: str,
+    engine: Engine,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    pattern: str,
+    planned: Sequence[str],
+    older_files: Sequence[str],
+) -> None:
+    """Mark DEST as a shard run in progress, before its first byte: the manifest's own name with
+    `"complete": false`, replaced (atomically: one put) by the completed manifest at the very end.
+
+    Why one name and not a separate marker: a reader finds the state in one place, and there is never a
+    moment with both a marker and a manifest (or neither) to reconcile. `verify-index` reports such a DEST
+    (`shard-incomplete`) and `serve` refuses it, whatever else a killed or out-of-space run left there. It
+    also names what the run writes and what it will remove, so a later `--force` still knows them.
+    """
+    put_json(
+        dest,
+        SHARD_MANIFEST_NAME,
+        {
+            "tool": "streamctl",
+            "version": __version__,
+            "complete": False,
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "source": source,
+            "engine": engine,
+            "tensor_parallel_size": tensor_parallel_size,
+            "pipeline_parallel_size": pipeline_parallel_size,
+            "pattern": pattern,
+            "planned": sorted(planned),
+            "older_files": sorted(older_files),
+        },
+    )
+
+
+def _begin(
+    source: Location,
+    dest: Location,
+    plan: ShardPlan,
+    engine: Engine,
+    planned: Sequence[str],
+    options: ShardOptions,
+    progress: Progress,
+) -> tuple[tuple[CopiedFile, ...], tuple[str, ...]]:
+    """Before the weights: the "incomplete" manifest, then the small serving files (config, tokenizer,
+    ...), so a run that stops in the weights never leaves weights without them. Returns the copies and
+    the names this created (none of them was in DEST before), which `_undo_on_failure` removes again."""
+    before = set(_list_dest(dest))
+    created = tuple(name for name in (SHARD_MANIFEST_NAME, *(path for path, _ in plan.serving_files)) if name not in before)
+    older = [*plan.stale, *(item.path for item in plan.left_alone if item.streamctl)]
+
+    def begin() -> tuple[CopiedFile, ...]:
+        write_incomplete_manifest(
+            dest,
+            source=plan.source,
+            engine=engine,
+            tensor_parallel_size=plan.tensor_parallel_size,
+            pipeline_parallel_size=plan.pipeline_parallel_size,
+            pattern=plan.pattern,
+            planned=planned,
+            older_files=older,
+        )
+        return copy_serving_files(source, dest, plan.serving_files, options.retry)
+
+    return _undo_on_failure(dest, created, progress, begin), created
+
+
+def _undo_on_failure(dest: Location, created: Sequence[str], progress: Progress, step: Callable[[], _T]) -> _T:
+    """Run `step`; if it fails before any weight is under its final name (the uploads were aborted), remove
+    what `_begin` created, so a failed run into a new DEST leaves it as it was. What `_begin` replaced stays,
+    marked incomplete. (A killed run cannot do this: its "incomplete" manifest says what happened.)"""
+    try:
+        return step()
+    except BaseException:
+        for name in created:
+            try:
+                dest.store.delete(dest.key(name))
+            except StreamctlError as error:
+                progress.log(f"could not remove {name}: {error.message}")
+        raise
 
 
 # =============================================================================================== entry points
@@ -1751,10 +1842,14 @@ def shard_checkpoint(
             "so consider --dtype"
         )
     discarded = discard_unfinished_uploads(dest, partial(_ours, plan.pattern, plan.serving_files), progress)
-    files, bytes_written = write_sharded(plan, source, dest, options, progress)
+    planned = [file.name for file in plan.files()] + [path for path, _ in plan.serving_files]
+    copied, created = _begin(source, dest, plan, "offline", planned, options, progress)
+    files, bytes_written = _undo_on_failure(
+        dest, created, progress, partial(write_sharded, plan, source, dest, options, progress)
+    )
     write_seconds = time.monotonic() - started
-    removed = remove_stale(dest, plan.stale, progress)
-    copied, verify, reconstruction = _copy_and_check(source, dest, plan, options, progress, dtype_from_files=False)
+    removed = remove_files(dest, plan.stale, progress)
+    verify, reconstruction = _check_written(source, dest, plan, options, progress, dtype_from_files=False)
     result = ShardResult(
         plan,
         "offline",
@@ -1771,7 +1866,7 @@ def shard_checkpoint(
     return _record(dest, result)
 
 
-def _copy_and_check(
+def _check_written(
     source: Location,
     dest: Location,
     plan: ShardPlan,
@@ -1779,9 +1874,8 @@ def _copy_and_check(
     progress: Progress,
     *,
     dtype_from_files: bool,
-) -> tuple[tuple[CopiedFile, ...], VerifyReport, ReconstructionReport | None]:
-    """After the weights: the serving files, then both checks (no reconstruction without a layout)."""
-    copied = copy_serving_files(source, dest, plan.serving_files, options.retry)
+) -> tuple[VerifyReport, ReconstructionReport | None]:
+    """After the weights: both checks (no reconstruction without a layout)."""
     verify = check_verify(dest, plan, progress)
     reconstruction = (
         check_reconstruction(
@@ -1790,7 +1884,7 @@ def _copy_and_check(
         if plan.stages
         else None
     )
-    return copied, verify, reconstruction
+    return verify, reconstruction
 
 
 def _record(dest: Location, result: ShardResult) -> ShardResult:
@@ -1870,6 +1964,7 @@ def shard_with_vllm(
     options.validate()
     if source.store.scheme != "file":
         raise UsageError("--engine vllm needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`")
+    check_disjoint(source, dest)
     check_vllm_engine_available()
     started = time.monotonic()
     version = options.vllm_version or installed_vllm_version()
@@ -1877,7 +1972,8 @@ def shard_with_vllm(
     validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
     listing = _list_source(source)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
-    existing_stale = _check_dest(dest, source, set(), options.force)
+    serving = _serving_files(listing, config)
+    cleanup = _check_dest(dest, pattern, {path for path, _ in serving}, options.force)
     with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
         arguments = {
             "model": source.url,
@@ -1897,16 +1993,17 @@ def shard_with_vllm(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
-        serving = _serving_files(listing, config)
         discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
-        files = _copy_saved_files(saved, dest, pattern, options, progress)
+        architecture = str((config.get("architectures") or ["?"])[0])
+        plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, cleanup, architecture)
+        copied, created = _begin(source, dest, plan, "vllm", [path for path, _ in serving], options, progress)
+        files = _undo_on_failure(
+            dest, created, progress, partial(_copy_saved_files, saved, dest, pattern, options, progress)
+        )
     write_seconds = time.monotonic() - started
-    architecture = str((config.get("architectures") or ["?"])[0])
-    plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, existing_stale, architecture)
-    removed = remove_stale(
-        dest, tuple(name for name in existing_stale if name not in {file.path for file in files}), progress
-    )
-    copied, verify, reconstruction = _copy_and_check(source, dest, plan, options, progress, dtype_from_files=True)
+    written = {file.path for file in files}
+    removed = remove_files(dest, tuple(name for name in plan.stale if name not in written), progress)
+    verify, reconstruction = _check_written(source, dest, plan, options, progress, dtype_from_files=True)
     result = ShardResult(
         plan,
         "vllm",
@@ -1985,14 +2082,14 @@ def _plan_for_saved(
     version: str | None,
     pattern: str,
     source_id: str | None,
-    stale: tuple[str, ...],
+    cleanup: Cleanup,
     architecture: str,
 ) -> ShardPlan:
     """A plan describing vLLM's files; it carries the table's layout (for the reconstruction check) when
     the architecture is in the table, and no stages otherwise."""
     try:
         plan = plan_shard(source, dest, replace(options, engine="offline", force=True), source_id)
-        return replace(plan, pattern=pattern, stale=stale)
+        return replace(plan, pattern=pattern, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
     except UsageError:
         pass
     row = layout_row(version)
@@ -2010,8 +2107,9 @@ def _plan_for_saved(
         max_part_size=options.max_part_size,
         stages=(),
         serving_files=serving_files,
-        stale=stale,
+        stale=cleanup.to_remove,
         tied_lm_head=None,
+        left_alone=cleanup.left_alone,
     )
 
 

@@ -34,7 +34,9 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.fileset import MANIFEST_NAME, Selection, is_safe_relative_path, select_files
+from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, Selection, is_safe_relative_path, select_files
+from streamctl.locations import check_disjoint
+from streamctl.ownership import Cleanup, plan_cleanup, read_manifests, remove_files, written_by_streamctl
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
@@ -65,6 +67,8 @@ class TransferPlan:
     commit: str | None
     files: tuple[FilePlan, ...]
     excluded: tuple[Selection, ...]
+    # DEST files besides the plan's: what --force removes once the new files are complete, what stays.
+    cleanup: Cleanup = field(default_factory=Cleanup)
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +88,8 @@ class TransferPlan:
                 for f in self.files
             ],
             "excluded": [{"path": s.path, "reason": s.reason} for s in self.excluded],
+            "to_remove": list(self.cleanup.to_remove),
+            "left_alone": [item.to_json() for item in self.cleanup.left_alone],
             "total_bytes": self.total_bytes,
             "copy_bytes": self.copy_bytes,
         }
@@ -129,6 +135,7 @@ class TransferResult:
     bytes_copied: int
     seconds: float
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
+    removed: tuple[str, ...] = ()  # files of an earlier streamctl run that --force removed (plan.cleanup.to_remove)
 
     @property
     def throughput_mb_s(self) -> float:
@@ -144,6 +151,7 @@ class TransferResult:
             "seconds": round(self.seconds, 3),
             "throughput_mb_s": round(self.throughput_mb_s, 2),
             "discarded_uploads": list(self.discarded),
+            "removed": list(self.removed),
         }
 
 
@@ -220,12 +228,23 @@ def _read_json(location: Location, path: str, size: int) -> object:
         return None
 
 
-def _check_manifest(dest: Location, listing: Mapping[str, ObjectInfo], source: str, commit: str | None) -> None:
-    info = listing.get(MANIFEST_NAME)
-    if info is None:
-        return
-    manifest = _read_json(dest, MANIFEST_NAME, info.size)
-    if not isinstance(manifest, dict):
+def _check_manifest(
+    dest: Location,
+    manifests: Mapping[str, dict[str, object] | None],
+    source: str,
+    commit: str | None,
+    selected: set[str],
+) -> None:
+    """UsageError when DEST holds what another source (or `shard`) wrote; `selected` are the files to copy
+    (a sharded checkpoint's own shard manifest travels with it)."""
+    if SHARD_MANIFEST_NAME in manifests and SHARD_MANIFEST_NAME not in selected:
+        shard = manifests[SHARD_MANIFEST_NAME] or {}
+        raise UsageError(
+            f"{dest.url} holds a sharded checkpoint that `streamctl shard` wrote (of {shard.get('source')})",
+            hint="choose another destination prefix, or pass --force to replace what streamctl wrote there",
+        )
+    manifest = manifests.get(MANIFEST_NAME)
+    if manifest is None:
         return
     if manifest.get("source") != source or manifest.get("commit") != commit:
         held = f"{manifest.get('source')}@{manifest.get('commit') or '-'}"
@@ -269,8 +288,10 @@ def _decide(
 def plan_transfer(
     source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
 ) -> TransferPlan:
-    """List both sides, choose the file set and decide copy or skip for each file. Writes nothing."""
+    """List both sides, choose the file set and decide copy or skip for each file, and what --force removes
+    in DEST (see streamctl.ownership). Writes nothing; a DEST that overlaps SOURCE is refused (exit 2)."""
     options.validate()
+    check_disjoint(source, dest)
     listing = {source.relative(info.key): info for info in source.list()}
     if not listing:
         raise NotFoundError(f"no files under {source.url}")
@@ -296,8 +317,9 @@ def plan_transfer(
         all_files=options.all_files,
     )
     existing = _list_dest(dest)
+    manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
-        _check_manifest(dest, existing, source_id, commit)
+        _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
     files = []
     for selection in selections:
         if not selection.selected:
@@ -310,7 +332,9 @@ def plan_transfer(
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     excluded = tuple(selection for selection in selections if not selection.selected)
-    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded)
+    writes = {file.path for file in files} | {MANIFEST_NAME}
+    cleanup = plan_cleanup(existing, writes, written_by_streamctl(manifests, existing), lambda name: False, options.force)
+    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -532,6 +556,8 @@ def write_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, 
         "commit": plan.commit,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
+        # Files earlier streamctl runs wrote here that this one left (no --force): a later --force removes them.
+        "older_files": list(plan.cleanup.older_files),
     }
     put_json(dest, MANIFEST_NAME, manifest)
 
@@ -609,9 +635,10 @@ def execute_transfer(
     results = tuple(
         copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
     )
+    removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
     write_manifest(dest, plan, results)
     return TransferResult(
-        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded
+        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed
     )
 
 

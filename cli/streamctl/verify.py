@@ -73,6 +73,7 @@ Finding codes
 | `sharded-dtype-mismatch` | warning | TP ranks of one stage store a tensor with different dtypes |
 | `sharded-unexpected-file` | error | a file vLLM's rank glob would load that does not fit the pattern |
 | `sharded-unused-file` | warning | a `.safetensors` file that no rank of the sharded layout loads |
+| `shard-incomplete` | error | `streamctl shard` started writing here and never completed: its manifest (`streamctl-shard-manifest.json`) says `"complete": false` or is unreadable (a killed run, a full disk, a failed check) |
 
 When one code repeats more than 25 times for one file, the rest are summed up in one finding with that
 code, no tensor, and a message that says how many more there were.
@@ -80,6 +81,7 @@ code, no tensor, and a message that says how many more there were.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter, defaultdict
@@ -90,6 +92,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from streamctl.errors import NotFoundError, UsageError
+from streamctl.fileset import SHARD_MANIFEST_NAME
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -122,6 +125,8 @@ CONFIG_NAME = "config.json"
 MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
 MAX_INDEX_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 10_000_000
+MAX_SHARD_MANIFEST_BYTES = 100_000_000  # it lists every tensor of every rank
+SHARD_INCOMPLETE_CODE = "shard-incomplete"
 FINDINGS_PER_CODE_AND_FILE = 25
 MAX_RANKS_LISTED = 4096  # above TP x PP this, missing ranks are summed up in one finding
 # Any one of these is a usable tokenizer for vLLM; `vocab.json` needs `merges.txt` (checked apart).
@@ -356,8 +361,13 @@ def verify_checkpoint(
     layout: Layout = "sharded" if sharded_pattern is not None else ("indexed" if index_name else "single")
 
     # The index and config.json are read while the headers are: one round trip less on the critical path.
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="verify-side") as side:
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="verify-side") as side:
         index_future = side.submit(_read_index, location, listing, index_name, findings, reads) if index_name else None
+        manifest_future = (
+            side.submit(_check_shard_manifest, location, listing, findings, reads)
+            if SHARD_MANIFEST_NAME in listing.top_level
+            else None
+        )
         config_future = (
             side.submit(
                 _read_small_object, location, listing, CONFIG_NAME, MAX_CONFIG_BYTES, findings, reads, "config-invalid"
@@ -368,6 +378,8 @@ def verify_checkpoint(
         shards = _read_headers(location, listing, safetensors_names, options, progress)
         index = index_future.result() if index_future else None
         config_data = config_future.result() if config_future else None
+        if manifest_future:
+            manifest_future.result()
     for shard in shards:
         reads.add(shard.requests, shard.bytes_read)
         _report_shard(shard, findings)
@@ -900,6 +912,33 @@ def _check_serving_files(
             f"{folder}/",
             f"{objects} object{'' if objects == 1 else 's'} ({total:,} bytes) that vLLM pulls into its cache "
             "at start-up; move them elsewhere",
+        )
+
+
+def _check_shard_manifest(location: Location, listing: _Listing, findings: _Findings, reads: _Reads) -> None:
+    """`streamctl shard` writes its manifest with `"complete": false` before the first weight byte and
+    replaces it with the completed one last: anything else means the run stopped part-way. (Manifests of
+    versions before that flag were written only at the end, so one without the key is complete.)"""
+    data = _read_small_object(
+        location, listing, SHARD_MANIFEST_NAME, MAX_SHARD_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
+    )
+    if data is None:
+        return
+    try:
+        # Our own document, with a list per tensor: the header parser's flood limits are not meant for it.
+        document = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        document = None
+    if not isinstance(document, dict):
+        findings.error(
+            SHARD_INCOMPLETE_CODE, SHARD_MANIFEST_NAME, "the shard manifest is unreadable, so the run's completion is unknown"
+        )
+    elif document.get("complete") is False:
+        findings.error(
+            SHARD_INCOMPLETE_CODE,
+            SHARD_MANIFEST_NAME,
+            "`streamctl shard` started writing here and never completed (killed, out of space, or a failed "
+            "check); run it again with --force",
         )
 
 
