@@ -238,7 +238,8 @@ def render_transfer_result(result: TransferResult) -> None:
     skipped = len(result.files) - copied
     discarded = f"; discarded {len(result.discarded)} unfinished uploads of an earlier run" if result.discarded else ""
     if result.removed:
-        discarded += f"; removed {len(result.removed)} files an earlier streamctl run wrote"
+        count = len(result.removed)
+        discarded += f"; removed {count} file{'' if count == 1 else 's'} an earlier streamctl run wrote"
     stdout().print(
         f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged{discarded}; "
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
@@ -295,7 +296,7 @@ def render_shard_result(result: ShardResult) -> None:
     removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
     foreign = sum(1 for item in plan.left_alone if not item.streamctl)
     if foreign:
-        removed += f"; left {foreign} files streamctl did not write"
+        removed += f"; left {foreign} file{'' if foreign == 1 else 's'} streamctl did not write"
     if result.discarded:
         removed += f"; discarded {len(result.discarded)} unfinished uploads of an earlier run"
     console.print(
