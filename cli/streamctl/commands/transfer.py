@@ -50,7 +50,7 @@ def command(
     ] = "256MiB",
     token: HfTokenOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; touch nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Copy every file again; ignore the manifest.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Copy every file again; replace what an earlier streamctl run wrote there.")] = False,
     verify: Annotated[
         bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")
     ] = True,
