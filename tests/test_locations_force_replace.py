@@ -33,7 +33,9 @@ FORCE = TransferOptions(part_size=5 * MiB, max_buffer=20 * MiB, concurrency=4, r
 TENSORS = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
 
 
-def write_checkpoint(folder: Path, shards: int, seed: int, big: int = 64, extra: dict[str, bytes] | None = None) -> set[str]:
+def write_checkpoint(
+    folder: Path, shards: int, seed: int, big: int = 64, extra: dict[str, bytes] | None = None
+) -> set[str]:
     """An indexed checkpoint whose TENSORS are spread over `shards` files; returns its shard names."""
     rng = random.Random(seed)
     folder.mkdir(parents=True)

@@ -9,6 +9,12 @@ streamed: header, then tensors, through the store's multipart upload (for a loca
 temporary file). Nothing is visible under a final name until every file is written: uploads are completed
 together at the end, and any failure before that aborts all of them.
 
+Completion is explicit: before its first byte a run writes its manifest with `"complete": false`, then the
+small serving files (config, tokenizer), then the weights, removes (with --force) what earlier streamctl
+runs wrote and this one does not (streamctl.ownership), checks, and replaces the manifest with the completed
+one last. A run killed or out of space anywhere leaves a DEST that `verify-index` (`shard-incomplete`) and
+`serve` refuse; one that fails in-process before its weights are committed removes what it began with.
+
 Memory is bounded by buffers, not by tensors (so it stays below the largest tensor plus buffers). Each
 tensor is cut into blocks of whole source rows of about `READ_BLOCK` bytes (`tensor_blocks`), each read
 with one ranged read of the source (a local file or a bucket object alike; a few reads run ahead) and cut
@@ -1778,7 +1784,8 @@ def _begin(
     ...), so a run that stops in the weights never leaves weights without them. Returns the copies and
     the names this created (none of them was in DEST before), which `_undo_on_failure` removes again."""
     before = set(_list_dest(dest))
-    created = tuple(name for name in (SHARD_MANIFEST_NAME, *(path for path, _ in plan.serving_files)) if name not in before)
+    names = (SHARD_MANIFEST_NAME, *(path for path, _ in plan.serving_files))
+    created = tuple(name for name in names if name not in before)
     older = [*plan.stale, *(item.path for item in plan.left_alone if item.streamctl)]
 
     def begin() -> tuple[CopiedFile, ...]:

@@ -333,7 +333,8 @@ def plan_transfer(
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
-    cleanup = plan_cleanup(existing, writes, written_by_streamctl(manifests, existing), lambda name: False, options.force)
+    written_before = written_by_streamctl(manifests, existing)
+    cleanup = plan_cleanup(existing, writes, written_before, lambda name: False, options.force)
     return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup)
 
 
@@ -605,8 +606,10 @@ def execute_transfer(
     options: TransferOptions = TransferOptions(),
     progress: Progress = NULL_PROGRESS,
 ) -> TransferResult:
-    """Copy every planned file, then write the manifest. Ctrl-C aborts open uploads before re-raising."""
+    """Copy every planned file, remove what --force replaces, then write the manifest. Ctrl-C aborts open
+    uploads before re-raising."""
     options.validate()
+    check_disjoint(source, dest)  # again: a plan may come from elsewhere, and nothing is written yet
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
     ours = {file.path for file in plan.files} | {MANIFEST_NAME}

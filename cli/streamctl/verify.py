@@ -73,7 +73,7 @@ Finding codes
 | `sharded-dtype-mismatch` | warning | TP ranks of one stage store a tensor with different dtypes |
 | `sharded-unexpected-file` | error | a file vLLM's rank glob would load that does not fit the pattern |
 | `sharded-unused-file` | warning | a `.safetensors` file that no rank of the sharded layout loads |
-| `shard-incomplete` | error | `streamctl shard` started writing here and never completed: its manifest (`streamctl-shard-manifest.json`) says `"complete": false` or is unreadable (a killed run, a full disk, a failed check) |
+| `shard-incomplete` | error | `streamctl shard` began here and never completed (killed, out of space, a failed check): `streamctl-shard-manifest.json` says `"complete": false` or is unreadable |
 
 When one code repeats more than 25 times for one file, the rest are summed up in one finding with that
 code, no tensor, and a message that says how many more there were.
@@ -931,7 +931,9 @@ def _check_shard_manifest(location: Location, listing: _Listing, findings: _Find
         document = None
     if not isinstance(document, dict):
         findings.error(
-            SHARD_INCOMPLETE_CODE, SHARD_MANIFEST_NAME, "the shard manifest is unreadable, so the run's completion is unknown"
+            SHARD_INCOMPLETE_CODE,
+            SHARD_MANIFEST_NAME,
+            "the shard manifest is unreadable, so the run's completion is unknown",
         )
     elif document.get("complete") is False:
         findings.error(

@@ -78,7 +78,8 @@ def command(
         typer.Option("--engine", help="offline: streamctl's CPU writer; vllm: vLLM's own save (needs GPUs)."),
     ] = EngineOption.offline,
     force: Annotated[
-        bool, typer.Option("--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there.")
+        bool,
+        typer.Option("--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."),
     ] = False,
     token: HfTokenOption = None,
     endpoint_url: EndpointOption = None,
