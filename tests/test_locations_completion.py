@@ -237,7 +237,8 @@ def test_a_run_killed_after_its_weights_is_refused_by_verify_and_serve(tmp_path:
 def test_a_run_killed_in_its_weights_leaves_nothing_to_serve(tmp_path: Path) -> None:
     big_model(tmp_path / "hf")
     out = tmp_path / "out"
-    kill_when(out, lambda: any(out.glob(".*.streamctl-partial")), str(tmp_path / "hf"), str(out))
+    # Once the serving files are in place, the run is on to the weights (which take a while here).
+    kill_when(out, lambda: all((out / name).exists() for name in SERVING), str(tmp_path / "hf"), str(out))
     assert state_after_failure(out) == "no weights"
     assert run_cli("serve", str(out), "--dry-run", "-tp", "2").exit_code == 3
     # The manifest names what the run was writing, so --force knows it for sure.

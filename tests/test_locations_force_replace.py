@@ -197,3 +197,16 @@ def test_a_sharded_checkpoint_is_not_overwritten_without_force(tmp_path: Path) -
     for _ in range(2):
         copied = run_cli("transfer", str(tmp_path / "tp2b"), str(tmp_path / "copy"))
         assert copied.exit_code == 0, copied.stderr
+
+
+def test_a_crowded_dest_is_summed_up_in_the_text_plan_and_listed_in_json(tmp_path: Path) -> None:
+    write_checkpoint(tmp_path / "two", shards=3, seed=2)
+    dest = tmp_path / "bucket-like"
+    dest.mkdir()
+    for index in range(25):
+        (dest / f"someone-{index:02d}.txt").write_text("theirs")
+    text = run_cli("transfer", str(tmp_path / "two"), str(dest), "--force", "--dry-run")
+    assert text.exit_code == 0 and "... and 5 more" in text.stdout and "25 in DEST left alone" in text.stdout
+    assert "someone-19.txt" in text.stdout and "someone-20.txt" not in text.stdout
+    document = run_cli("transfer", str(tmp_path / "two"), str(dest), "--force", "--dry-run", "--json").json()
+    assert len(document["left_alone"]) == 25

@@ -203,6 +203,9 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     )
 
 
+LEFT_ALONE_ROWS = 20
+
+
 def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
     from rich.table import Table
 
@@ -217,8 +220,12 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
         table.add_row("[yellow]leave out[/]", "", escape(selection.path), escape(selection.reason))
     for path in plan.cleanup.to_remove:
         table.add_row("[red]remove[/]", "", escape(path), "an earlier streamctl run wrote it; removed after copying")
-    for item in plan.cleanup.left_alone:
+    shown_left = plan.cleanup.left_alone[:LEFT_ALONE_ROWS]  # DEST may be a whole bucket: --json lists them all
+    for item in shown_left:
         table.add_row("[dim]leave alone[/]", "", escape(item.path), escape(f"in DEST, {item.reason}"))
+    if len(plan.cleanup.left_alone) > len(shown_left):
+        more = len(plan.cleanup.left_alone) - len(shown_left)
+        table.add_row("[dim]leave alone[/]", "", f"... and {more} more", "in DEST (see --json)")
     console.print(table)
     copying = sum(1 for file in plan.files if file.action == "copy")
     in_dest = ""
