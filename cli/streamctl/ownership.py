@@ -71,6 +71,13 @@ def read_manifests(dest: Location, sizes: Mapping[str, int]) -> dict[str, dict[s
     return found
 
 
+def shard_run_incomplete(document: Mapping[str, Any] | None) -> bool:
+    """Whether a shard manifest (None: present but unreadable) says its run never completed. `shard` writes it
+    with `"complete": false` first and the completed one last; manifests of versions before that flag were
+    written only at the end, so one without the key is complete."""
+    return document is None or document.get("complete") is False
+
+
 def manifest_paths(document: Mapping[str, Any]) -> set[str]:
     """Every path a manifest names: copied files, rank files, planned files and older files it carries."""
     paths: set[str] = set()
@@ -92,13 +99,11 @@ def manifest_paths(document: Mapping[str, Any]) -> set[str]:
     return paths
 
 
-def written_by_streamctl(
-    manifests: Mapping[str, Mapping[str, Any] | None], names: Iterable[str]
-) -> set[str]:
-    """Which of `names` (DEST's files) the manifests found there say streamctl wrote, manifests included."""
+def written_by_streamctl(manifests: Mapping[str, Mapping[str, Any] | None], existing: Iterable[str]) -> set[str]:
+    """Which of DEST's files the manifests found there say streamctl wrote, the manifests included."""
     from streamctl.sharded import parse_sharded_name
 
-    names = set(names)
+    names = set(existing)
     ours = set(manifests) & names
     patterns: list[str] = []
     for name, document in manifests.items():
@@ -144,16 +149,3 @@ def remove_files(dest: Location, names: Sequence[str], progress: Progress) -> tu
         dest.store.delete(dest.key(name))
     return tuple(names)
 
-
-def describe_left_alone(cleanup: Cleanup, limit: int = 5) -> str | None:
-    """One line about the files left alone, or None when there are none."""
-    if not cleanup.left_alone:
-        return None
-    foreign = [item.path for item in cleanup.left_alone if not item.streamctl]
-    older = [item.path for item in cleanup.left_alone if item.streamctl]
-    parts = []
-    for paths, what in ((foreign, NOT_STREAMCTL), (older, EARLIER_RUN)):
-        if paths:
-            shown = ", ".join(paths[:limit]) + (", ..." if len(paths) > limit else "")
-            parts.append(f"{len(paths)} {what} ({shown})")
-    return "leaving alone " + "; ".join(parts)

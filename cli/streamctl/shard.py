@@ -65,7 +65,15 @@ from streamctl.errors import (
 from streamctl.fileset import SHARD_MANIFEST_NAME, select_serving_files
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.locations import check_disjoint
-from streamctl.ownership import Cleanup, LeftAlone, plan_cleanup, read_manifests, remove_files, written_by_streamctl
+from streamctl.ownership import (
+    Cleanup,
+    LeftAlone,
+    plan_cleanup,
+    read_manifests,
+    remove_files,
+    shard_run_incomplete,
+    written_by_streamctl,
+)
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.safetensors import (
@@ -851,7 +859,7 @@ def _looks_interrupted(
     """A shard run that did not finish: its manifest says so, or there is none and DEST holds rank files of
     our pattern (a folder holding only other things, a Hugging Face checkpoint say, is not one)."""
     if SHARD_MANIFEST_NAME in existing:
-        return manifest is not None and manifest.get("complete") is False
+        return shard_run_incomplete(manifest)
     return any(own_output(name) for name in existing)
 
 

@@ -93,6 +93,7 @@ from typing import Any, Literal
 
 from streamctl.errors import NotFoundError, UsageError
 from streamctl.fileset import SHARD_MANIFEST_NAME
+from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -125,7 +126,6 @@ CONFIG_NAME = "config.json"
 MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
 MAX_INDEX_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 10_000_000
-MAX_SHARD_MANIFEST_BYTES = 100_000_000  # it lists every tensor of every rank
 SHARD_INCOMPLETE_CODE = "shard-incomplete"
 FINDINGS_PER_CODE_AND_FILE = 25
 MAX_RANKS_LISTED = 4096  # above TP x PP this, missing ranks are summed up in one finding
@@ -916,11 +916,9 @@ def _check_serving_files(
 
 
 def _check_shard_manifest(location: Location, listing: _Listing, findings: _Findings, reads: _Reads) -> None:
-    """`streamctl shard` writes its manifest with `"complete": false` before the first weight byte and
-    replaces it with the completed one last: anything else means the run stopped part-way. (Manifests of
-    versions before that flag were written only at the end, so one without the key is complete.)"""
+    """A `streamctl shard` run that never completed (see streamctl.ownership.shard_run_incomplete)."""
     data = _read_small_object(
-        location, listing, SHARD_MANIFEST_NAME, MAX_SHARD_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
+        location, listing, SHARD_MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
     )
     if data is None:
         return
@@ -935,7 +933,7 @@ def _check_shard_manifest(location: Location, listing: _Listing, findings: _Find
             SHARD_MANIFEST_NAME,
             "the shard manifest is unreadable, so the run's completion is unknown",
         )
-    elif document.get("complete") is False:
+    elif shard_run_incomplete(document):
         findings.error(
             SHARD_INCOMPLETE_CODE,
             SHARD_MANIFEST_NAME,
