@@ -245,3 +245,30 @@ def test_a_run_killed_in_its_weights_leaves_nothing_to_serve(tmp_path: Path) -> 
     marker = json.loads((out / SHARD_MANIFEST_NAME).read_text())
     assert set(RANK_FILES) | set(SERVING) <= set(marker["planned"])
     assert marker["tensor_parallel_size"] == 2 and marker["pattern"] == "model-rank-{rank}-part-{part}.safetensors"
+
+
+# ------------------------------------------------------------------------------------------ what the manifest says
+
+
+def test_the_manifest_decides_on_a_bucket_too(tmp_path: Path, s3_root: str, storage_env: dict[str, str]) -> None:
+    """In a bucket as locally: "complete": false or an unreadable manifest is refused; a manifest of an
+    earlier version (no "complete" key, written only at the end) is a completed run."""
+    write_model(tmp_path / "hf", "llama-gqa")
+    dest = f"{s3_root}/tp2"
+    assert run_cli("shard", str(tmp_path / "hf"), dest, "-tp", "2", env=storage_env).exit_code == 0
+    location = open_location(dest)
+    key = location.key(SHARD_MANIFEST_NAME)
+    completed = json.loads(location.store.read_range(key, 0, location.store.stat(key).size))
+    assert completed["complete"] is True
+    earlier = {name: value for name, value in completed.items() if name != "complete"}
+    for body, refused in (
+        (json.dumps(earlier).encode(), False),
+        (json.dumps({**completed, "complete": False}).encode(), True),
+        (b'{"complete": tr', True),
+    ):
+        location.store.put(key, body)
+        verified = run_cli("verify-index", dest, "--json", env=storage_env)
+        codes = {finding["code"] for finding in verified.json()["findings"]}
+        assert ("shard-incomplete" in codes) is refused and verified.exit_code == (1 if refused else 0), body
+        served = run_cli("serve", dest, "--dry-run", "-tp", "2", env=storage_env)
+        assert served.exit_code == (1 if refused else 0), served.stderr

@@ -246,3 +246,18 @@ def test_the_hint_about_a_stopped_run_appears_only_for_one(tmp_path: Path) -> No
     assert run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "2").exit_code == 0
     result = run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "2")
     assert result.exit_code == 2 and "interrupted shard run" not in result.stderr, result.stderr
+
+
+def test_force_never_removes_a_source_file_through_a_link_in_dest(tmp_path: Path) -> None:
+    """A DEST file an old manifest names, that is a link to a file the run reads: only the link goes."""
+    write_model(tmp_path / "hf", "llama-gqa")
+    before = snapshot(tmp_path / "hf")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.safetensors").symlink_to(tmp_path / "hf" / "model-00001-of-00002.safetensors")
+    (out / "config.json").symlink_to(tmp_path / "hf" / "config.json")
+    manifest = {"tool": "streamctl", "files": [{"path": "old.safetensors"}, {"path": "config.json"}]}
+    (out / MANIFEST_NAME).write_text(json.dumps(manifest))
+    result = shard_checkpoint(open_location(str(tmp_path / "hf")), open_location(str(out)), ShardOptions(2, force=True))
+    assert "old.safetensors" in result.removed and not (out / "old.safetensors").is_symlink()
+    assert snapshot(tmp_path / "hf") == before
