@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from streamctl.errors import UsageError
 from streamctl.redact import has_credentials, mask_credentials
-from streamctl.vllm_args import secret_arguments
+from streamctl.vllm_args import secret_values
 
 SECRET_HINT = (
     "a manifest is readable by everyone who can read the Deployment or Job: put the value in a Kubernetes "
@@ -197,11 +197,12 @@ def serve_manifests(
     UsageError when a secret would be written in clear text: a vLLM secret option however spelled
     (`--api_key`, `--hf-tok=T`, see streamctl.vllm_args) or a URL with credentials anywhere.
     """
-    secret_flags = secret_arguments(argv[1:])
-    if secret_flags:
-        shown = secret_flags[0].split("=", 1)[0]
+    secrets = secret_values(argv[1:])
+    if secrets:
+        first = secrets[0]
+        shown = first.option if first.written == first.option else f"{first.written} (vLLM reads it as {first.option})"
         raise UsageError(
-            f"{shown} (a secret vLLM option) would be written into the manifest in clear text",
+            f"{shown}: a secret would be written into the manifest in clear text",
             hint=SECRET_HINT + " (vLLM reads VLLM_API_KEY for --api-key and HF_TOKEN for --hf-token)",
         )
     refuse_clear_text_credentials([list(argv), dict(env)])

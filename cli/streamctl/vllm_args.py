@@ -13,8 +13,8 @@ value is a credential. Both are checked against the real parser by tests/test_se
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from streamctl.redact import MASK, mask_credentials
 
@@ -125,7 +125,6 @@ VLLM_SERVE_OPTIONS = frozenset(
 )
 # Option -> argparse nargs: "+" takes every value up to the next option, "?" at most one.
 SECRET_OPTIONS = {"--api-key": "+", "--hf-token": "?"}
-_NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 
 
 def option_name(arg: str) -> str | None:
@@ -163,38 +162,54 @@ def _secret(arg: str) -> str | None:
     return next((option for option in sorted(resolve_option(arg)) if option in SECRET_OPTIONS), None)
 
 
-def secret_arguments(argv: Sequence[str]) -> list[str]:
-    """The arguments of `argv` that pass a secret option to vLLM, as written."""
-    return [arg for arg in argv if _secret(arg) is not None]
-
-
 def _is_value(arg: str) -> bool:
     """Whether argparse would take `arg` as one more value of a secret option. Conservative: anything that
     is not a vLLM option (negative numbers, `-a b`, unknown dashes too) counts, so it is hidden."""
     return arg != "--" and not resolve_option(arg)
 
 
-def masked_arguments(argv: Sequence[str]) -> list[str]:
-    """`argv` for display: the values of secret options, and credentials in URLs, replaced by ***."""
-    masked: list[str] = []
-    hide = 0  # how many of the following arguments are the secret's values; -1: all up to the next option
+@dataclass(frozen=True)
+class SecretValue:
+    index: int  # of the argument holding the value
+    option: str  # the secret option it is the value of, as vLLM names it
+    written: str  # that option as the user wrote it (`--api_k`)
+    after_equals: bool  # `--option=VALUE` in one argument
+
+
+def secret_values(argv: Sequence[str]) -> list[SecretValue]:
+    """Every argument of `argv` that holds the value of a secret vLLM option, however it is spelled."""
+    found: list[SecretValue] = []
+    hide = 0  # how many of the following arguments are values; -1: all up to the next option
     force = False  # `--name.key VALUE`: vLLM takes the next argument as the value, whatever it looks like
-    for arg in argv:
+    option = written = ""
+    for index, arg in enumerate(argv):
         if force or (hide and _is_value(arg)):
-            masked.append(MASK)
+            found.append(SecretValue(index, option, written, False))
             force = False
             hide = hide - 1 if hide > 0 else hide
             continue
         hide = 0
-        option = _secret(arg)
-        if option is None:
-            masked.append(mask_credentials(arg))
-        elif "=" in arg:
-            masked.append(arg.split("=", 1)[0] + "=" + MASK)
+        secret = _secret(arg)
+        if secret is None:
+            continue
+        option, written = secret, arg.split("=", 1)[0]
+        if "=" in arg:
+            found.append(SecretValue(index, option, written, True))
         elif "." in arg:
-            masked.append(arg)
             force = True
         else:
-            masked.append(arg)
             hide = 1 if SECRET_OPTIONS[option] == "?" else -1
+    return found
+
+
+def masked_arguments(argv: Sequence[str]) -> list[str]:
+    """`argv` for display: the values of secret options, and credentials in URLs, replaced by ***."""
+    hidden = {value.index: value for value in secret_values(argv)}
+    masked: list[str] = []
+    for index, arg in enumerate(argv):
+        value = hidden.get(index)
+        if value is None:
+            masked.append(mask_credentials(arg))
+        else:
+            masked.append(arg.split("=", 1)[0] + "=" + MASK if value.after_equals else MASK)
     return masked
