@@ -103,7 +103,8 @@ def to_yaml(value: object, indent: int = 0) -> str:
                 nested = to_yaml(item, indent + 2)
                 lines.append(f"{pad}- {nested[indent + 2:]}")
             else:
-                lines.append(f"{pad}- {_scalar(item)}\n")
+                empty = "{}" if isinstance(item, Mapping) else "[]" if isinstance(item, (list, tuple)) else None
+                lines.append(f"{pad}- {empty or _scalar(item)}\n")
         return "".join(lines)
     return pad + _scalar(value) + "\n"
 
