@@ -74,3 +74,10 @@ def test_manifest_strings_survive_the_kubernetes_models() -> None:
     assert deployment.metadata.namespace == "08"
     assert deployment.spec.template.spec.node_selector == {"cloud.google.com/gke-accelerator": "1:30"}
     assert deployment.spec.template.spec.service_account_name == "yes"
+
+
+@pytest.mark.parametrize("length", [1000, 1024, 5000])
+def test_long_keys_read_back(length: int) -> None:
+    """YAML caps implicit keys at 1024 characters: longer ones need the explicit form."""
+    document = {"k" * length: "v", "\x1b" * (length // 4): {"nested": ["x"]}, "e" * length: []}
+    assert _round_trip(document) == document

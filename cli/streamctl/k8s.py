@@ -22,6 +22,7 @@ SECRET_HINT = (
 # "=" or "<<" all start otherwise; the only words left to a reader are these bools and nulls.
 _PLAIN = re.compile(r"(?:--?)?[A-Za-z/_][A-Za-z0-9_./-]*")
 _YAML_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "y", "n", "null", "nan", "inf"})
+_MAX_IMPLICIT_KEY = 1000
 _YAML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t"}
 
 
@@ -90,11 +91,14 @@ def to_yaml(value: object, indent: int = 0) -> str:
             return pad + "{}\n"
         lines = []
         for key, item in value.items():
+            key_text = _scalar(key)
+            # YAML allows implicit keys of up to 1024 characters; longer ones take the explicit "? KEY" form.
+            lead = f"{pad}{key_text}:" if len(key_text) < _MAX_IMPLICIT_KEY else f"{pad}? {key_text}\n{pad}:"
             if isinstance(item, (Mapping, list, tuple)) and item:
-                lines.append(f"{pad}{_scalar(key)}:\n{to_yaml(item, indent + 2)}")
+                lines.append(f"{lead}\n{to_yaml(item, indent + 2)}")
             else:
                 empty = "{}" if isinstance(item, Mapping) else "[]" if isinstance(item, (list, tuple)) else None
-                lines.append(f"{pad}{_scalar(key)}: {empty or _scalar(item)}\n")
+                lines.append(f"{lead} {empty or _scalar(item)}\n")
         return "".join(lines)
     if isinstance(value, Sequence) and not isinstance(value, str):
         lines = []
