@@ -144,8 +144,7 @@ def command(
     )
     facts = None
     report = None
-    if not preflight:
-        is_sharded = _layout_without_preflight(location, sharded, pattern)
+    is_sharded = _layout_without_preflight(location, sharded, pattern) if not preflight else False
     if preflight:
         expectations = tuple(Expectation(glob, engram_options.cpu_weight_files) for glob in engram_options.engram_globs)
         with output.progress() as progress:
