@@ -2,28 +2,85 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
-_PLAIN = re.compile(r"^[A-Za-z0-9_./][A-Za-z0-9_./:=@-]*$")
-_YAML_WORDS = {"true", "false", "yes", "no", "on", "off", "null", "~", "y", "n"}
+from streamctl.errors import UsageError
+from streamctl.redact import has_credentials, mask_credentials
+from streamctl.vllm_args import secret_values
+
+SECRET_HINT = (
+    "a manifest is readable by everyone who can read the Deployment or Job: put the value in a Kubernetes "
+    "Secret as an environment variable (HF_TOKEN, VLLM_API_KEY, AWS_ENDPOINT_URL, ...) and pass --secret NAME"
+)
+
+# A plain (unquoted) scalar only where every YAML 1.1 and 1.2 reader must read it as this very string:
+# it starts with a letter, "/", "_" or one or two dashes and a letter, and holds only letters, digits
+# and "_./-". Numbers (1e3, 0x10, 0o17, 0b101, 08, +1, .inf), base-60 (1:30), dates (2001-12-14) and
+# "=" or "<<" all start otherwise; the only words left to a reader are these bools and nulls.
+_PLAIN = re.compile(r"(?:--?)?[A-Za-z/_][A-Za-z0-9_./-]*")
+_YAML_WORDS = frozenset({"true", "false", "yes", "no", "on", "off", "y", "n", "null", "nan", "inf"})
+_MAX_IMPLICIT_KEY = 1000
+_YAML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t"}
+
+
+def _double_quoted(text: str) -> str:
+    """A YAML double-quoted scalar: printable ASCII as is, everything else escaped (\\x, \\u, \\U)."""
+    out = []
+    for character in text:
+        code = ord(character)
+        if character in _YAML_ESCAPES:
+            out.append(_YAML_ESCAPES[character])
+        elif 0x20 <= code < 0x7F:
+            out.append(character)
+        elif code <= 0xFF:
+            out.append(f"\\x{code:02x}")
+        elif code <= 0xFFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(f"\\U{code:08x}")
+    return '"' + "".join(out) + '"'
 
 
 def _scalar(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
         return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ".nan"
+        return (".inf" if value > 0 else "-.inf") if math.isinf(value) else repr(value)
     if value is None:
         return "null"
     text = str(value)
-    numeric = re.fullmatch(r"[-+]?(\d[\d_]*)?(\.\d*)?([eE][-+]?\d+)?", text) is not None
-    if _PLAIN.match(text) and text.lower() not in _YAML_WORDS and not numeric and not text.endswith(":"):
+    if _PLAIN.fullmatch(text) and text.lower() not in _YAML_WORDS:
         return text
-    return json.dumps(text)  # a JSON string is a valid double-quoted YAML scalar
+    return _double_quoted(text)
+
+
+def _strings(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
+
+
+def refuse_clear_text_credentials(documents: Sequence[object]) -> None:
+    """UsageError when any string of the manifests holds a credential in a URL (`user:pass@`, a signature)."""
+    for text in _strings(list(documents)):
+        if has_credentials(text):
+            raise UsageError(
+                f"the manifest would hold a URL with credentials in clear text: {mask_credentials(text)}",
+                hint=SECRET_HINT + "; drop the user:pass@ (or signature) from the URL here",
+            )
 
 
 def to_yaml(value: object, indent: int = 0) -> str:
@@ -34,11 +91,14 @@ def to_yaml(value: object, indent: int = 0) -> str:
             return pad + "{}\n"
         lines = []
         for key, item in value.items():
+            key_text = _scalar(key)
+            # YAML allows implicit keys of up to 1024 characters; longer ones take the explicit "? KEY" form.
+            lead = f"{pad}{key_text}:" if len(key_text) < _MAX_IMPLICIT_KEY else f"{pad}? {key_text}\n{pad}:"
             if isinstance(item, (Mapping, list, tuple)) and item:
-                lines.append(f"{pad}{_scalar(key)}:\n{to_yaml(item, indent + 2)}")
+                lines.append(f"{lead}\n{to_yaml(item, indent + 2)}")
             else:
                 empty = "{}" if isinstance(item, Mapping) else "[]" if isinstance(item, (list, tuple)) else None
-                lines.append(f"{pad}{_scalar(key)}: {empty or _scalar(item)}\n")
+                lines.append(f"{lead} {empty or _scalar(item)}\n")
         return "".join(lines)
     if isinstance(value, Sequence) and not isinstance(value, str):
         lines = []
@@ -47,7 +107,8 @@ def to_yaml(value: object, indent: int = 0) -> str:
                 nested = to_yaml(item, indent + 2)
                 lines.append(f"{pad}- {nested[indent + 2:]}")
             else:
-                lines.append(f"{pad}- {_scalar(item)}\n")
+                empty = "{}" if isinstance(item, Mapping) else "[]" if isinstance(item, (list, tuple)) else None
+                lines.append(f"{pad}- {empty or _scalar(item)}\n")
         return "".join(lines)
     return pad + _scalar(value) + "\n"
 
@@ -98,6 +159,7 @@ def transfer_job(
     pod_spec: dict[str, object] = {"restartPolicy": "OnFailure", "containers": [container]}
     if service_account:
         pod_spec["serviceAccountName"] = service_account
+    refuse_clear_text_credentials([arguments, env])
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -135,7 +197,20 @@ def serve_manifests(
     shm_bytes: int,
 ) -> list[dict[str, object]]:
     """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
-    /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size."""
+    /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
+
+    UsageError when a secret would be written in clear text: a vLLM secret option however spelled
+    (`--api_key`, `--hf-tok=T`, see streamctl.vllm_args) or a URL with credentials anywhere.
+    """
+    secrets = secret_values(argv[1:])
+    if secrets:
+        first = secrets[0]
+        shown = first.option if first.written == first.option else f"{first.written} (vLLM reads it as {first.option})"
+        raise UsageError(
+            f"{shown}: a secret would be written into the manifest in clear text",
+            hint=SECRET_HINT + " (vLLM reads VLLM_API_KEY for --api-key and HF_TOKEN for --hf-token)",
+        )
+    refuse_clear_text_credentials([list(argv), dict(env)])
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
     gpus = str(tensor_parallel_size)
     resources: dict[str, object] = {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}}

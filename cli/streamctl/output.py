@@ -21,6 +21,7 @@ from rich.markup import escape
 
 from streamctl.errors import StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.redact import for_display, mask_credentials
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
@@ -53,12 +54,21 @@ _PIPE_WIDTH = 200
 FINDINGS_SHOWN_PER_GROUP = 5
 
 
+class _SafeConsole(Console):
+    """A Console that shows every string it renders through `for_display`: file and tensor names, messages
+    and URLs reach the terminal with credentials masked and control sequences escaped, whichever report,
+    table, log line or error prints them. Markup is applied after, so styles still work; no emoji codes."""
+
+    def render_str(self, text: str, **kwargs: Any) -> Any:
+        return super().render_str(for_display(text), **kwargs)
+
+
 def stdout() -> Console:
-    return Console(width=None if sys.stdout.isatty() else _PIPE_WIDTH)
+    return _SafeConsole(width=None if sys.stdout.isatty() else _PIPE_WIDTH, emoji=False)
 
 
 def stderr() -> Console:
-    return Console(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH)
+    return _SafeConsole(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH, emoji=False)
 
 
 def chatty() -> bool:
@@ -66,8 +76,19 @@ def chatty() -> bool:
     return not (settings.quiet or settings.json) and sys.stderr.isatty()
 
 
+def _masked(value: Any) -> Any:
+    """`value` with credentials in every string masked (JSON escapes control characters itself)."""
+    if isinstance(value, str):
+        return mask_credentials(value)
+    if isinstance(value, dict):
+        return {_masked(key): _masked(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_masked(item) for item in value]
+    return value
+
+
 def print_json(document: Any) -> None:
-    sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    sys.stdout.write(json.dumps(_masked(document), indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
 
@@ -112,8 +133,8 @@ class RichProgress:
         self._lock = threading.Lock()
 
     def task(self, description: str, total: int | None) -> int:
-        with self._lock:
-            return int(self._bars.add_task(description, total=total))
+        with self._lock:  # the bar's column renders markup without the console: escape here
+            return int(self._bars.add_task(escape(for_display(description)), total=total))
 
     def advance(self, task_id: int, amount: int) -> None:
         self._bars.advance(task_id, amount)  # type: ignore[arg-type]

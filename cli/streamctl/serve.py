@@ -18,9 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streamctl.errors import UsageError
+from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.sharded import default_pattern
 from streamctl.sizes import parse_size
 from streamctl.storage.url import ParsedURL, parse_url
+from streamctl.vllm_args import masked_arguments, takes
 
 LOAD_FORMAT = "runai_streamer"
 LOAD_FORMAT_SHARDED = "runai_streamer_sharded"
@@ -41,10 +43,9 @@ SECRET_ENV = frozenset(
         "AZURE_STORAGE_CONNECTION_STRING",
         "AZURE_STORAGE_SAS_TOKEN",
         "AZURE_CLIENT_SECRET",
+        "VLLM_API_KEY",
     }
 )
-SECRET_ARGS = frozenset({"--hf-token", "--api-key", "--ssl-keyfile-password"})
-MASK = "***"
 EXPERIMENTAL_ENGRAM_ENV = {
     "VLLM_RUNAI_SINGLE_ENGRAM_READER": "1",
     "VLLM_RUNAI_BORROWED_WEIGHTS": "1",
@@ -117,8 +118,14 @@ class ServeOptions:
         if self.memory_limit is not None and self.memory_limit < UNLIMITED:
             raise UsageError(f"--memory-limit must be -1, 0 or a size, got {self.memory_limit}")
         for flag in ("--load-format", "--model-loader-extra-config", "--tensor-parallel-size", "-tp"):
-            if any(arg == flag or arg.startswith(flag + "=") for arg in self.vllm_args):
-                raise UsageError(f"pass {flag} to streamctl, not after --", hint="streamctl sets and checks it")
+            # as vLLM reads them: --load_format, --load-f and --tensor-parallel-size=2 are these flags too
+            named = next((arg for arg in self.vllm_args if takes(arg, flag)), None)
+            if named is not None:
+                shown = named.split("=", 1)[0]
+                raise UsageError(f"pass {flag} to streamctl, not after -- (vLLM reads {shown} as {flag})",
+                                 hint="streamctl sets and checks it")
+        if self.pattern is not None and self.sharded is False:
+            raise UsageError("--pattern names sharded files; it cannot go with --not-sharded")
         self.engram.validate()
 
 
@@ -142,28 +149,18 @@ class LaunchPlan:
     experimental: bool = False
 
     def masked_argv(self) -> list[str]:
-        masked: list[str] = []
-        hide_next = False
-        for arg in self.argv:
-            if hide_next:
-                masked.append(MASK)
-                hide_next = False
-            elif arg in SECRET_ARGS:
-                masked.append(arg)
-                hide_next = True
-            elif "=" in arg and arg.split("=", 1)[0] in SECRET_ARGS:
-                masked.append(arg.split("=", 1)[0] + "=" + MASK)
-            else:
-                masked.append(arg)
-        return masked
+        """argv for display: secret vLLM options however spelled, and URL credentials, masked."""
+        return masked_arguments(self.argv)
 
     def masked_env(self) -> dict[str, str]:
-        return {name: (MASK if name in SECRET_ENV else value) for name, value in sorted(self.env.items())}
+        return {
+            name: (MASK if name in SECRET_ENV else mask_credentials(value)) for name, value in sorted(self.env.items())
+        }
 
     def shell_line(self) -> str:
-        """A copy-pasteable command line, secrets masked."""
-        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.masked_env().items()]
-        return " ".join([*assignments, *(shlex.quote(arg) for arg in self.masked_argv())])
+        """A copy-pasteable command line, secrets masked, control characters escaped the way bash reads them."""
+        assignments = [f"{name}={shell_word(value)}" for name, value in self.masked_env().items()]
+        return " ".join([*assignments, *(shell_word(arg) for arg in self.masked_argv())])
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -174,6 +171,13 @@ class LaunchPlan:
             "warnings": list(self.warnings),
             "experimental": self.experimental,
         }
+
+
+def shell_word(text: str) -> str:
+    """`text` quoted for a POSIX shell; with control characters, as bash's $'...' with visible escapes."""
+    if printable(text) == text:
+        return shlex.quote(text)
+    return "$'" + printable(text.replace("\\", "\\\\").replace("'", "\\'")) + "'"
 
 
 def _storage_env(

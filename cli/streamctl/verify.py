@@ -356,9 +356,7 @@ def verify_checkpoint(
 
     findings = _Findings()
     reads = _Reads()
-    sharded_pattern = _sharded_pattern(options, safetensors_names)
-    index_name = None if sharded_pattern is not None else _index_name(options, listing)
-    layout: Layout = "sharded" if sharded_pattern is not None else ("indexed" if index_name else "single")
+    sharded_pattern, index_name, layout = _layout(options, listing, safetensors_names)
 
     # The index and config.json are read while the headers are: one round trip less on the critical path.
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="verify-side") as side:
@@ -416,6 +414,29 @@ def verify_checkpoint(
         tp = max((tp_rank for _, tp_rank in ranks), default=-1) + 1 or None
         pp = max((pp_rank for pp_rank, _ in ranks), default=-1) + 1 or None
     return VerifyReport(location.url, layout, findings.result(), stats, tp, pp)
+
+
+def detect_layout(location: Location, options: VerifyOptions = VerifyOptions()) -> Layout:
+    """The layout `verify_checkpoint` would check, from one listing and no reads (`serve --no-preflight`).
+
+    Raises what `verify_checkpoint` raises for an empty location or one without top-level `.safetensors`.
+    """
+    _check_options(options)
+    listing = _list(location)
+    safetensors_names = sorted(name for name in listing.top_level if name.endswith(".safetensors"))
+    if not safetensors_names:
+        raise _no_safetensors(location, listing)
+    return _layout(options, listing, safetensors_names)[2]
+
+
+def _layout(
+    options: VerifyOptions, listing: _Listing, safetensors_names: Sequence[str]
+) -> tuple[str | None, str | None, Layout]:
+    """(sharded pattern, index name, layout): the one decision both the check and `detect_layout` use."""
+    sharded_pattern = _sharded_pattern(options, safetensors_names)
+    index_name = None if sharded_pattern is not None else _index_name(options, listing)
+    layout: Layout = "sharded" if sharded_pattern is not None else ("indexed" if index_name else "single")
+    return sharded_pattern, index_name, layout
 
 
 def _check_options(options: VerifyOptions) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -18,6 +18,9 @@ from streamctl.commands.common import (
     QuietOption,
     apply_output_flags,
 )
+
+if TYPE_CHECKING:
+    from streamctl.storage.base import Location
 
 EXPERIMENTAL = "Experimental: DeepSeek V4.1 CPU Engram loading"
 
@@ -95,7 +98,6 @@ def command(
     from streamctl.errors import MissingProgramError, UsageError, VerificationFailed
     from streamctl.k8s import DEFAULT_VLLM_IMAGE, k8s_name, serve_manifests, to_yaml_documents
     from streamctl.serve import (
-        SECRET_ARGS,
         CheckpointFacts,
         EngramOptions,
         ServeOptions,
@@ -141,8 +143,8 @@ def command(
         options.model, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
     )
     facts = None
-    is_sharded = bool(sharded)
     report = None
+    is_sharded = _layout_without_preflight(location, sharded, pattern) if not preflight else False
     if preflight:
         expectations = tuple(Expectation(glob, engram_options.cpu_weight_files) for glob in engram_options.engram_globs)
         with output.progress() as progress:
@@ -169,13 +171,15 @@ def command(
             files=report.stats.files,
             sharded_ranks=report.tensor_parallel_size if is_sharded else None,
         )
+    # A manifest is about the pod, never this host: it requests one GPU per TP rank and its own memory.
+    target_cuda, target_memory = (True, None) if k8s else (cuda_available(environ), host_memory_bytes())
     plan = plan_launch(
         options,
         facts,
         sharded=is_sharded,
         environ=environ,
-        cuda_available=cuda_available(environ),
-        host_memory_bytes=host_memory_bytes(),
+        cuda_available=target_cuda,
+        host_memory_bytes=target_memory,
     )
     tune_result = None
     if tune:
@@ -193,19 +197,13 @@ def command(
             facts,
             sharded=is_sharded,
             environ=environ,
-            cuda_available=cuda_available(environ),
-            host_memory_bytes=host_memory_bytes(),
+            cuda_available=target_cuda,
+            host_memory_bytes=target_memory,
         )
         if not output.settings.json:
             output.render_tune_result(tune_result)
 
     if k8s:
-        secret_args = sorted({arg.split("=", 1)[0] for arg in options.vllm_args} & SECRET_ARGS)
-        if secret_args:
-            raise UsageError(
-                f"{secret_args[0]} would be written into the manifest in clear text",
-                hint="put the value in a Kubernetes secret (e.g. HF_TOKEN) and pass --secret NAME",
-            )
         manifests = serve_manifests(
             plan.argv,
             plan.env,
@@ -242,3 +240,22 @@ def command(
     sys.stderr.flush()
     # exec: vLLM takes over this process, so signals and the exit code are vLLM's own.
     os.execve(executable, [executable, *plan.argv[1:]], {**environ, **plan.env})
+
+
+def _layout_without_preflight(location: Location, sharded: Optional[bool], pattern: Optional[str]) -> bool:
+    """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
+    --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
+    from streamctl.errors import StreamctlError
+    from streamctl.verify import VerifyOptions, detect_layout
+
+    if sharded is not None:
+        return sharded
+    if pattern is not None:
+        return True
+    try:
+        return detect_layout(location, VerifyOptions()) == "sharded"
+    except StreamctlError as error:
+        error.hint = "pass --sharded or --not-sharded to launch without listing the checkpoint" + (
+            f" ({error.hint})" if error.hint else ""
+        )
+        raise

@@ -22,6 +22,7 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
+from streamctl.redact import mask_credentials
 
 
 class Op(enum.Enum):
@@ -99,8 +100,13 @@ def resolve_not_found(failure: Failure, bucket_exists: Callable[[], bool | None]
 
 
 def to_error(failure: Failure, *, url: str, bucket: str, op: Op, hints: ServiceHints) -> StreamctlError:
-    """The one error to raise for `failure` while doing `op` on `url`."""
-    kind, detail = failure.kind, failure.detail
+    """The one error to raise for `failure` while doing `op` on `url`.
+
+    Credentials in the URL (an endpoint's `user:pass@`, a SAS signature), and in the service's words, which
+    often repeat the URL, are masked here, so no later path (JSON, logs, --debug) can show them.
+    """
+    kind, detail = failure.kind, mask_credentials(failure.detail)
+    url = mask_credentials(url)
     where = f"{hints.container} {bucket!r}"
     if kind is Kind.NO_CREDENTIALS:
         return AccessDeniedError(f"{url}: no {hints.service} credentials found ({detail})", hint=hints.credentials)
