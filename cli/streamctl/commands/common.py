@@ -17,6 +17,7 @@ EndpointOption = Annotated[
     Optional[str],
     typer.Option(
         "--endpoint-url",
+        metavar="URL",
         envvar="AWS_ENDPOINT_URL",
         help="S3-compatible endpoint (MinIO, R2, GCS interop ...).",
         rich_help_panel="Storage",
@@ -35,6 +36,7 @@ AzureAccountOption = Annotated[
     Optional[str],
     typer.Option(
         "--azure-account",
+        metavar="NAME",
         envvar="AZURE_STORAGE_ACCOUNT_NAME",
         help="Azure storage account for az:// URLs.",
         rich_help_panel="Storage",
@@ -43,7 +45,7 @@ AzureAccountOption = Annotated[
 
 HfTokenOption = Annotated[
     Optional[str],
-    typer.Option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
+    typer.Option("--token", metavar="TOKEN", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
 ]
 
 

@@ -53,20 +53,22 @@ def command(
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
-    namespace: Annotated[str, typer.Option("--namespace", rich_help_panel="Kubernetes")] = "default",
-    name: Annotated[Optional[str], typer.Option("--name", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
+    namespace: Annotated[
+        str, typer.Option("--namespace", metavar="NAME", help="Namespace of the Deployment and Service.", rich_help_panel="Kubernetes")
+    ] = "default",
+    name: Annotated[Optional[str], typer.Option("--name", metavar="NAME", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
     image: Annotated[
         Optional[str], typer.Option("--image", help="vLLM image (default: vllm/vllm-openai:v0.33.0).", rich_help_panel="Kubernetes")
     ] = None,
     service_account: Annotated[
         Optional[str],
-        typer.Option("--service-account", help="Workload-identity service account.", rich_help_panel="Kubernetes"),
+        typer.Option("--service-account", metavar="NAME", help="Workload-identity service account.", rich_help_panel="Kubernetes"),
     ] = None,
     accelerator: Annotated[
-        Optional[str], typer.Option("--accelerator", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes")
+        Optional[str], typer.Option("--accelerator", metavar="TYPE", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes")
     ] = None,
     secret: Annotated[
-        Optional[str], typer.Option("--secret", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes")
+        Optional[str], typer.Option("--secret", metavar="NAME", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes")
     ] = None,
     cpu_weight_files: Annotated[
         Optional[str],
@@ -242,3 +244,11 @@ def command(
     sys.stderr.flush()
     # exec: vLLM takes over this process, so signals and the exit code are vLLM's own.
     os.execve(executable, [executable, *plan.argv[1:]], {**environ, **plan.env})
+
+
+# The last section of `streamctl serve --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Print the checked vLLM command line; run nothing:", "streamctl serve gs://models/qwen3-8b --dry-run -- --max-model-len 4096"),
+    ("Launch a model sharded for 8 GPUs, concurrency measured first:", "streamctl serve s3://models/llama-70b-tp8 -tp 8 --tune"),
+    ("Write a GKE Deployment and Service for it:", "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml"),
+)

@@ -43,7 +43,7 @@ def command(
     ],
     dest: Annotated[str, typer.Argument(help="Local folder or s3://, gs://, az:// prefix for the sharded files.")],
     tensor_parallel_size: Annotated[
-        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks to shard for (required).")
+        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks to shard for.")
     ],
     pipeline_parallel_size: Annotated[
         int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Pipeline stages (vLLM's layer split).")
@@ -135,3 +135,10 @@ def command(
         output.print_json(result.to_json())
     else:
         output.render_shard_result(result)
+
+
+# The last section of `streamctl shard --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Shard a bucket copy for 8 GPUs into another bucket:", "streamctl shard gs://models/llama-70b s3://models/llama-70b-tp8 -tp 8"),
+    ("Shard a Hub repo for TP 2 x PP 2, cast to bfloat16:", "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16"),
+)

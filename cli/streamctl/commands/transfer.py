@@ -29,7 +29,7 @@ def command(
     source: Annotated[str, typer.Argument(help="hf://ORG/NAME, ORG/NAME, a local folder, or a bucket prefix.")],
     dest: Annotated[str, typer.Argument(help="gs://, s3://, az:// prefix or a local folder.")],
     revision: Annotated[
-        Optional[str], typer.Option("--revision", help="Branch, tag or commit (resolved to one commit).")
+        Optional[str], typer.Option("--revision", metavar="REV", help="Branch, tag or commit (resolved to one commit).")
     ] = None,
     repo_type: Annotated[
         Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type (default: model).")
@@ -57,14 +57,14 @@ def command(
     k8s_job: Annotated[
         bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
     ] = False,
-    namespace: Annotated[str, typer.Option("--namespace", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
+    namespace: Annotated[str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
     service_account: Annotated[
         Optional[str],
-        typer.Option("--service-account", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
+        typer.Option("--service-account", metavar="NAME", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
     ] = None,
     secret: Annotated[
         Optional[str],
-        typer.Option("--secret", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
+        typer.Option("--secret", metavar="NAME", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
     ] = None,
     image: Annotated[
         Optional[str],
@@ -164,3 +164,11 @@ def command(
             output.render_verify_report(report)
     if report is not None and not report.ok:
         raise typer.Exit(1)
+
+
+# The last section of `streamctl transfer --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Copy what vLLM needs from a Hub repo into a GCS bucket:", "streamctl transfer Qwen/Qwen3-8B gs://models/qwen3-8b"),
+    ("Show the plan for one revision; copy nothing:", "streamctl transfer Qwen/Qwen3-8B s3://models/q3 --revision v1 --dry-run"),
+    ("Run the copy inside the cluster as a Kubernetes Job:", "streamctl transfer Qwen/Qwen3-8B gs://m/q3 --k8s-job | kubectl apply -f -"),
+)

@@ -25,7 +25,7 @@ def command(
     ],
     index: Annotated[
         Optional[str],
-        typer.Option("--index", help="Index file name (default: model.safetensors.index.json if present)."),
+        typer.Option("--index", metavar="NAME", help="Index file name (default: model.safetensors.index.json if present)."),
     ] = None,
     expect: Annotated[
         Optional[list[str]],
@@ -95,3 +95,11 @@ def command(
         output.render_verify_report(report)
     if not report.ok or (strict and report.warnings):
         raise typer.Exit(1)
+
+
+# The last section of `streamctl verify-index --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Check a checkpoint in a bucket, reading headers only:", "streamctl verify-index gs://models/qwen3-8b"),
+    ("Require every Engram tensor to live in one file; print JSON:", "streamctl verify-index s3://m/ds --expect '*engram*=e.safetensors' --json"),
+    ("Check a sharded-state folder written for 4 GPUs:", "streamctl verify-index ./llama-tp4 --sharded -tp 4"),
+)
