@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from streamctl import __version__
 from streamctl.errors import (
     IntegrityError,
+    MissingProgramError,
     NotFoundError,
     StreamctlError,
     UsageError,
@@ -1842,11 +1843,12 @@ def _find_gpus() -> bool:
 
 
 def check_vllm_engine_available() -> None:
-    """UsageError naming what is missing for --engine vllm: the vllm package, or CUDA GPUs."""
+    """The error naming what is missing for --engine vllm: the vllm package (exit 127, as for every missing
+    program or extra), or CUDA GPUs (exit 2: nothing to install fixes that here)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise UsageError(
+        raise MissingProgramError(
             "--engine vllm needs the vllm package in this Python environment, and it is not installed",
             hint="pip install 'streamctl[vllm]' on a machine with GPUs, or use --engine offline",
         )

@@ -17,12 +17,16 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_mode_options,
+    check_option_scope,
+    refuse_together,
 )
 
 EXPERIMENTAL = "Experimental: DeepSeek V4.1 CPU Engram loading"
 
 
 def command(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Bucket prefix (s3://, gs://, az://) or local folder.")],
     vllm_args: Annotated[
         Optional[list[str]], typer.Argument(help="Arguments for vLLM, after --.", show_default=False)
@@ -133,6 +137,10 @@ def command(
         vllm_args=tuple(vllm_args or ()),
     )
     options.validate()
+    check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
+    refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
+    refuse_together(ctx, "k8s", "json_output", "--k8s prints the manifests as YAML")
+    check_option_scope(ctx, [options.model])
     if engram_options.enabled and not preflight:
         raise UsageError(
             "--cpu-weight-files needs the pre-flight: it checks that the index places the Engram tensors in those files",

@@ -18,6 +18,7 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_option_scope,
 )
 
 
@@ -34,6 +35,7 @@ class EngineOption(str, Enum):
 
 
 def command(
+    ctx: typer.Context,
     source: Annotated[
         str,
         typer.Argument(
@@ -116,11 +118,13 @@ def command(
         layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
     )
     options.validate()
+    source_url = resolve_source_url(source)
+    check_option_scope(ctx, [source_url, dest])
     keep_freed_buffers_in_the_heap()
     storage = StorageOptions(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
     )
-    source_location = open_location(resolve_source_url(source), storage)
+    source_location = open_location(source_url, storage)
     dest_location = open_destination(dest, storage)
     try:
         with output.progress(byte_counts=True) as progress:

@@ -17,6 +17,9 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_mode_options,
+    check_option_scope,
+    refuse_together,
 )
 
 
@@ -26,6 +29,7 @@ class RepoType(str, Enum):
 
 
 def command(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="hf://ORG/NAME, ORG/NAME, a local folder, or a bucket prefix.")],
     dest: Annotated[str, typer.Argument(help="gs://, s3://, az:// prefix or a local folder.")],
     revision: Annotated[
@@ -106,6 +110,10 @@ def command(
     )
     options.validate()
     source_url = resolve_source_url(source, repo_type.value if repo_type else None)
+    check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
+    refuse_together(ctx, "k8s_job", "dry_run", "the Job runs the whole transfer (preview it without --k8s-job)")
+    refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    check_option_scope(ctx, [source_url, dest])
     if k8s_job:
         arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
         arguments += [f"--revision={revision}"] if revision else []

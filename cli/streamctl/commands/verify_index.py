@@ -15,10 +15,12 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_option_scope,
 )
 
 
 def command(
+    ctx: typer.Context,
     checkpoint: Annotated[
         str,
         typer.Argument(help="Local folder, s3://, gs://, az:// or https://ACCOUNT.blob.core.windows.net/ prefix."),
@@ -74,6 +76,7 @@ def command(
     from streamctl.storage import StorageOptions, open_location
     from streamctl.verify import VerifyOptions, parse_expectation, verify_checkpoint
 
+    check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())
     location = open_location(
         checkpoint, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
