@@ -91,6 +91,7 @@ from streamctl.sharded import (
     validate_pattern,
 )
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
+from streamctl.words import plural
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
 from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
@@ -823,7 +824,7 @@ def _check_dest(dest: Location, source: Location, output_names: set[str], force:
         shown = ", ".join(sorted(existing)[:3]) + (", ..." if len(existing) > 3 else "")
         interrupted = SHARD_MANIFEST_NAME not in existing and not output_names.isdisjoint(existing)
         raise UsageError(
-            f"{dest.url} already holds {len(existing)} files ({shown})",
+            f"{dest.url} already holds {plural(len(existing), 'file')} ({shown})",
             hint=(
                 f"these look like an interrupted shard run (no {SHARD_MANIFEST_NAME}); pass --force to write them again"
                 if interrupted

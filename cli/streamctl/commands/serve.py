@@ -116,6 +116,7 @@ def command(
     )
     from streamctl.storage import StorageOptions, open_location
     from streamctl.verify import Expectation, VerifyOptions, verify_checkpoint
+    from streamctl.words import plural
 
     engram_options = EngramOptions(
         cpu_weight_files=tuple(name.strip() for name in (cpu_weight_files or "").split(",") if name.strip()),
@@ -169,7 +170,7 @@ def command(
         if not report.ok:
             output.render_verify_report(report, to_stderr=True)
             raise VerificationFailed(
-                f"pre-flight found {len(report.errors)} errors in {report.checkpoint}",
+                f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
                 hint="fix them (see the table above), or pass --no-preflight to launch anyway",
             )
         is_sharded = report.layout == "sharded"

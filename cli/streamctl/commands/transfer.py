@@ -168,7 +168,7 @@ def command(
         output.print_json(document)
     else:
         output.render_transfer_result(result)
-        if report is not None and not report.ok:
+        if report is not None and (not report.ok or report.warnings):  # warnings too, as verify-index shows them
             output.render_verify_report(report)
     if report is not None and not report.ok:
         raise typer.Exit(1)
