@@ -83,12 +83,14 @@ def print_json(document: Any) -> None:
 
 
 def print_error(error: StreamctlError) -> None:
+    """One line each for the error and its hint, however long (soft_wrap: Rich inserts no line breaks, so
+    a long path is never split in a log, and the terminal wraps for the eye)."""
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
-    console.print(f"[bold red]error:[/] {escape(error.message)}", markup=True, highlight=False)
+    console.print(f"[bold red]error:[/] {escape(error.message)}", markup=True, highlight=False, soft_wrap=True)
     if error.hint:
-        console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False)
+        console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def print_internal_error(error: BaseException) -> None:
@@ -107,7 +109,7 @@ def print_internal_error(error: BaseException) -> None:
 def warn(message: str) -> None:
     """Warnings show unless --quiet or --json, even when stderr is not a terminal (they matter in CI logs)."""
     if not (settings.quiet or settings.json):
-        stderr().print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
+        stderr().print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def log(message: str) -> None:
