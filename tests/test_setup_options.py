@@ -39,6 +39,7 @@ REFUSED = {
     "serve --tune --concurrency": (["serve", "{model}", "--tune", "--concurrency", "4", "--dry-run"], "--concurrency and --tune together"),
     "serve --k8s --json": (["serve", "{model}", "--k8s", "--json"], "--k8s and --json together"),
     "transfer --k8s-job --dry-run": (["transfer", "{model}", "s3://b/m", "--k8s-job", "--dry-run"], "--k8s-job and --dry-run together"),
+    "transfer --all-files --include": (["transfer", "{model}", "{out}", "--all-files", "--include", "*.md"], "--all-files and --include together"),
     "transfer --k8s-job --json": (["transfer", "{model}", "s3://b/m", "--k8s-job", "--json"], "--k8s-job and --json together"),
     "verify -tp --not-sharded": (["verify-index", "{model}", "-tp", "2", "--not-sharded"], "--tensor-parallel-size describes a sharded"),
     "verify -pp --not-sharded": (["verify-index", "{model}", "-pp", "2", "--not-sharded"], "--pipeline-parallel-size describes a sharded"),

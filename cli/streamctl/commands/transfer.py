@@ -113,6 +113,7 @@ def command(
     check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
     refuse_together(ctx, "k8s_job", "dry_run", "the Job runs the whole transfer (preview it without --k8s-job)")
     refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
         arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
