@@ -6,7 +6,8 @@
   SDKs never read a developer's real cloud or Hugging Face settings and never leave 127.0.0.1.
 - Measuring a child process: `run_measured()` runs a command, polls a scratch folder's disk usage, and
   reads the child's own peak RSS from `os.wait4` (so the benchmark process's memory is never counted).
-- Output: `Table` prints aligned tables; `verdict()` a PASS/FAIL line.
+- Output: `Table` prints aligned tables; `Targets.check()` a PASS/FAIL line, and `Targets.exit_status()`
+  the exit status of the run (1 when any target was missed).
 """
 
 from __future__ import annotations
@@ -264,6 +265,31 @@ class Table:
 
 def verdict(passed: bool, name: str, detail: str) -> str:
     return f"{'PASS' if passed else 'FAIL'}  {name}: {detail}"
+
+
+EXIT_TARGET_MISSED = 1  # a benchmark ran and missed at least one target
+EXIT_NOTHING_CHECKED = 2  # a benchmark ended without evaluating a single target: a bug in the script
+
+
+@dataclass
+class Targets:
+    """The targets one benchmark run evaluated. `check` returns the PASS/FAIL line to print; `exit_status`
+    is what `main()` returns, so a missed target fails the run (CI, `&&` chains) instead of only saying FAIL."""
+
+    passed: int = 0
+    missed: int = 0
+
+    def check(self, passed: bool, name: str, detail: str) -> str:
+        if passed:
+            self.passed += 1
+        else:
+            self.missed += 1
+        return verdict(passed, name, detail)
+
+    def exit_status(self) -> int:
+        if self.missed:
+            return EXIT_TARGET_MISSED
+        return 0 if self.passed else EXIT_NOTHING_CHECKED
 
 
 def human_bytes(count: float) -> str:

@@ -38,10 +38,10 @@ from benchlib import (
     STREAMCTL,
     MiB,
     Table,
+    Targets,
     human_bytes,
     run_measured,
     scratch_dir,
-    verdict,
 )
 from streamctl.safetensors import encode_safetensors_header
 
@@ -204,6 +204,7 @@ def main() -> int:
         )
         table.add("cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", "")
         verdicts = []
+        targets = Targets()
         for tp in args.tp:
             written = runs[tp][0].bytes_written
             # x cp = (bytes / seconds) / (cp bytes / cp seconds), per round; the median of the rounds.
@@ -222,7 +223,7 @@ def main() -> int:
                 human_bytes(peak_rss),
             )
             verdicts.append(
-                verdict(
+                targets.check(
                     median(ratios) >= 0.7,
                     f"throughput TP {tp}",
                     f"{median(ratios):.2f} x cp end to end, the median of per-round ratios "
@@ -230,7 +231,7 @@ def main() -> int:
                 )
             )
             verdicts.append(
-                verdict(
+                targets.check(
                     peak_rss <= rss_limit,
                     f"peak RSS TP {tp}",
                     f"{human_bytes(peak_rss)}, the largest of {args.repeat} runs (limit {human_bytes(rss_limit)})",
@@ -239,7 +240,7 @@ def main() -> int:
         table.print()
         for line in verdicts:
             print(line)
-        return 0 if all(line.startswith("PASS") for line in verdicts) else 1
+        return targets.exit_status()
 
 
 @dataclass(frozen=True)

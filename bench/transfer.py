@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import benchlib
-from benchlib import MB, ChildRun, GiB, MiB, Table, human_bytes, verdict
+from benchlib import MB, ChildRun, GiB, MiB, Table, Targets, human_bytes
 from netsim import LinkProcess
 
 REPO_ID = "bench-org/llm-2g"
@@ -438,14 +438,15 @@ def main(argv: list[str] | None = None) -> int:
              if link_stats else ""))  # fmt: skip
     print()
     speedup = seed.run.seconds / ours.run.seconds
+    targets = Targets()
     if args.quick:
         print("--quick: a smoke run. The targets are meant for the default 2 GiB: on a small repo streamctl's fixed "
               "costs (interpreter start, planning, verify-index: ~1 s) weigh more.")  # fmt: skip
-    print(verdict(speedup >= TARGET_SPEEDUP, f">= {TARGET_SPEEDUP:g}x faster than the seed method",
+    print(targets.check(speedup >= TARGET_SPEEDUP, f">= {TARGET_SPEEDUP:g}x faster than the seed method",
                   f"{speedup:.2f}x ({seed.run.seconds:.1f} s / {ours.run.seconds:.1f} s)"))  # fmt: skip
-    print(verdict(ours.run.peak_rss <= TARGET_RSS, "streamctl peak RSS <= 512 MiB",
+    print(targets.check(ours.run.peak_rss <= TARGET_RSS, "streamctl peak RSS <= 512 MiB",
                   f"{ours.run.peak_rss / MiB:.0f} MiB (seed method: {seed.run.peak_rss / MiB:.0f} MiB)"))  # fmt: skip
-    print(verdict(ours.run.peak_disk <= TARGET_DISK, "no local copy (streamctl disk growth <= 16 MiB)",
+    print(targets.check(ours.run.peak_disk <= TARGET_DISK, "no local copy (streamctl disk growth <= 16 MiB)",
                   f"{human_bytes(ours.run.peak_disk)} under its HOME/HF_HOME/TMPDIR "
                   f"(seed method: {human_bytes(seed.run.peak_disk)})"))  # fmt: skip
     load_end = os.getloadavg()[0]
@@ -455,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
           f"processes while it ran. {os.cpu_count()} cores; load average at start / end "
           f"{load_start:.1f} / {load_end:.1f}{busy}")  # fmt: skip
     print(f"\nbenchmark wall time {time.monotonic() - bench_started:.0f} s")
-    return 0
+    return targets.exit_status()
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import benchlib
-from benchlib import Table, human_bytes, ms, verdict
+from benchlib import Table, Targets, human_bytes, ms
 from netsim import LinkProcess
 
 BUCKET = "bench-verify-70b"
@@ -405,15 +405,16 @@ def main(argv: list[str] | None = None) -> int:
           "client CPU: this process (boto3 + streamctl, user+sys); moto CPU: the server process")  # fmt: skip
     print()
     allowed = 2 * shards + 2  # + index + config.json
+    targets = Targets()
     budget = ideal + 5 * rtt
     link_share = ours.seconds - floor.seconds
-    print(verdict(ours.bytes_read <= 0.001 * checkpoint.total_bytes, "bytes read <= 0.1% of checkpoint",
+    print(targets.check(ours.bytes_read <= 0.001 * checkpoint.total_bytes, "bytes read <= 0.1% of checkpoint",
                   f"{human_bytes(ours.bytes_read)} = {100 * ours.bytes_read / checkpoint.total_bytes:.4f}% of "
                   f"{human_bytes(checkpoint.total_bytes)}"))  # fmt: skip
-    print(verdict(ours.requests <= allowed, "<= 2 requests per shard (+ index, config)",
+    print(targets.check(ours.requests <= allowed, "<= 2 requests per shard (+ index, config)",
                   f"{ours.requests} = {ours.requests / shards:.2f}/shard, allowed {allowed}; "
                   f"{ours.server_requests} at the server with the listing"))  # fmt: skip
-    print(verdict(ours.seconds <= budget, "wall time within 5 RTT of ideal",
+    print(targets.check(ours.seconds <= budget, "wall time within 5 RTT of ideal",
                   f"{ms(ours.seconds)} vs ideal {ms(ideal)} + 5 RTT = {ms(budget)} "
                   f"({(ours.seconds - ideal) / rtt:+.1f} RTT from ideal)"))  # fmt: skip
     print(f"      where the time goes: boto3 client construction + first request {ms(construction)} (in every "
@@ -423,12 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         slow_rtt = 2 * args.slope_delay_ms / 1000
         round_trips = (slow.seconds - ours.seconds) / (slow_rtt - rtt)
         waves = math.ceil(shards / args.concurrency)
-        print(f"      critical path: {round_trips:.1f} round trips (slope of wall time from RTT {ms(rtt)} to "
-              f"{ms(slow_rtt)}: {ms(ours.seconds)} -> {ms(slow.seconds)}); ideal {waves} header waves, "
-              f"+ 5 allowed = {waves + 5}: {'PASS' if round_trips <= waves + 5 else 'FAIL'}")  # fmt: skip
+        print(targets.check(round_trips <= waves + 5, "critical path within 5 round trips of the header waves",
+                            f"{round_trips:.1f} round trips (slope of wall time from RTT {ms(rtt)} to "
+                            f"{ms(slow_rtt)}: {ms(ours.seconds)} -> {ms(slow.seconds)}); ideal {waves} header "
+                            f"waves + 5 allowed = {waves + 5}"))  # fmt: skip
     print(f"\n{os.cpu_count()} cores; load average at start / end {load_start:.1f} / {os.getloadavg()[0]:.1f}; "
           f"benchmark wall time {time.monotonic() - bench_started:.0f} s")
-    return 0
+    return targets.exit_status()
 
 
 if __name__ == "__main__":

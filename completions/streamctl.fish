@@ -18,7 +18,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from serve' -l tune -d 'Measure
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l preflight -l no-preflight -d 'Check credentials, headers and vllm first'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l dry-run -d 'Print the command and environment; run nothing'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l k8s -d 'Print a Kubernetes Deployment and Service instead'
-complete -c streamctl -n '__fish_seen_subcommand_from serve' -l namespace -r -F -d ''
+complete -c streamctl -n '__fish_seen_subcommand_from serve' -l namespace -r -F -d 'Namespace of the Deployment and Service'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l name -r -F -d 'Deployment name'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l image -r -F -d 'vLLM image (default: vllm/vllm-openai:v0.33.0)'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l service-account -r -F -d 'Workload-identity service account'
@@ -35,7 +35,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from serve' -l quiet -o q -d 'N
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l debug -d 'Show tracebacks on errors'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l help -o h -d 'Show help and exit'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -F
-complete -c streamctl -n '__fish_seen_subcommand_from shard' -l tensor-parallel-size -o tp -r -F -d 'TP ranks to shard for (required)'
+complete -c streamctl -n '__fish_seen_subcommand_from shard' -l tensor-parallel-size -o tp -r -F -d 'TP ranks to shard for'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l pipeline-parallel-size -o pp -r -F -d 'Pipeline stages (vLLM\'s layer split)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l pattern -r -F -d 'File name pattern with {rank} or {tp_rank}, {pp_rank}, {part} (default: vLLM\'s, model-rank-{rank}-part-{part}.safetensors, or model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors with PP > 1)'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l max-part-size -r -F -d 'Start a new part file beyond this size'

@@ -9,19 +9,22 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from streamctl.errors import StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.redact import for_display, mask_credentials
+from streamctl.words import plural
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
@@ -63,12 +66,20 @@ class _SafeConsole(Console):
         return super().render_str(for_display(text), **kwargs)
 
 
+def _width(stream: Any) -> int | None:
+    """COLUMNS when the user sets it (also for piped output), else the terminal's, else _PIPE_WIDTH."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return None if stream.isatty() else _PIPE_WIDTH
+
+
 def stdout() -> Console:
-    return _SafeConsole(width=None if sys.stdout.isatty() else _PIPE_WIDTH, emoji=False)
+    return _SafeConsole(width=_width(sys.stdout), emoji=False)
 
 
 def stderr() -> Console:
-    return _SafeConsole(stderr=True, width=None if sys.stderr.isatty() else _PIPE_WIDTH, emoji=False)
+    return _SafeConsole(stderr=True, width=_width(sys.stderr), emoji=False)
 
 
 def chatty() -> bool:
@@ -93,12 +104,14 @@ def print_json(document: Any) -> None:
 
 
 def print_error(error: StreamctlError) -> None:
+    """One line each for the error and its hint, however long (soft_wrap: Rich inserts no line breaks, so
+    a long path is never split in a log, and the terminal wraps for the eye)."""
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
-    console.print(f"[bold red]error:[/] {escape(error.message)}", markup=True, highlight=False)
+    console.print(f"[bold red]error:[/] {escape(error.message)}", markup=True, highlight=False, soft_wrap=True)
     if error.hint:
-        console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False)
+        console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def print_internal_error(error: BaseException) -> None:
@@ -117,7 +130,7 @@ def print_internal_error(error: BaseException) -> None:
 def warn(message: str) -> None:
     """Warnings show unless --quiet or --json, even when stderr is not a terminal (they matter in CI logs)."""
     if not (settings.quiet or settings.json):
-        stderr().print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
+        stderr().print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False, soft_wrap=True)
 
 
 def log(message: str) -> None:
@@ -157,13 +170,20 @@ def progress(byte_counts: bool = False) -> Iterator[Progress]:
         BarColumn,
         DownloadColumn,
         MofNCompleteColumn,
+        ProgressColumn,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
     from rich.progress import Progress as RichProgressBars
 
-    counts = (DownloadColumn(), TransferSpeedColumn()) if byte_counts else (MofNCompleteColumn(),)
+    class BinarySpeedColumn(ProgressColumn):
+        """Rich's TransferSpeedColumn counts in MB (10^6); every other figure streamctl prints is in MiB."""
+
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            return Text("?" if speed is None else f"{human_bytes(speed)}/s", style="progress.data.speed")
+
+    counts = (DownloadColumn(binary_units=True), BinarySpeedColumn()) if byte_counts else (MofNCompleteColumn(),)
     bars = RichProgressBars(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -184,14 +204,84 @@ def human_bytes(count: float) -> str:
     return f"{count} B"
 
 
-def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
+@dataclass(frozen=True)
+class Column:
+    header: str
+    right: bool = False  # numbers
+    wraps: bool = False  # the one column that may wrap, at spaces; values in the others are never broken
+    in_list: str = "{}"  # how a value reads without its header, where the table does not fit ("PP {}")
+
+
+def print_table(console: Console, columns: Sequence[Column], rows: Sequence[Sequence[Text]], title: str = "") -> None:
+    """A table where it fits the console; else one block per row, so no value is split across lines at
+    80 columns (a table there folded file names and sizes mid-value)."""
     from rich.table import Table
 
+    def width(index: int) -> int:
+        return max([len(columns[index].header)] + [len(row[index].plain) for row in rows])
+
+    fixed = [index for index, column in enumerate(columns) if not column.wraps]
+    # Borders and padding: 3 characters per column and 1 more; the wrapping column gets at least 20.
+    needed = sum(width(index) for index in fixed) + 3 * len(columns) + 1 + (20 if len(fixed) < len(columns) else 0)
+    if needed <= console.width:
+        table = Table(header_style="bold", title=escape(title) if title else None)
+        for index, column in enumerate(columns):
+            table.add_column(
+                column.header,
+                justify="right" if column.right else "left",
+                no_wrap=not column.wraps,
+                min_width=None if column.wraps else width(index),
+            )
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+        return
+    if title:
+        console.print(Text(for_display(title), style="bold"), soft_wrap=True)
+    for row in rows:
+        cells = [
+            Text(columns[index].in_list.format(row[index].plain), style=row[index].style)
+            for index in fixed
+            if row[index].plain
+        ]
+        print_phrases(console, cells, separator="  ")
+        for index, column in enumerate(columns):
+            if column.wraps and row[index].plain:
+                for line in textwrap.wrap(row[index].plain, max(20, console.width - 4), break_long_words=False,
+                                          break_on_hyphens=False):  # fmt: skip
+                    console.print(Text("    " + line, style=row[index].style), soft_wrap=True)
+
+
+def print_phrases(console: Console, phrases: Sequence[Text | str], separator: str = ", ") -> None:
+    """Phrases joined by `separator`, wrapped only between phrases: "209.3 KiB" or "2 errors" never ends
+    one line and starts the next. A phrase longer than a line is left to the terminal (soft wrap)."""
+    line = Text()
+    for phrase in phrases:
+        text = Text.from_markup(for_display(phrase)) if isinstance(phrase, str) else phrase
+        if line.plain and line.cell_len + len(separator) + text.cell_len > console.width:
+            console.print(line, soft_wrap=True, highlight=False)
+            line = Text("  ")
+        elif line.plain:
+            line.append(separator)
+        line.append_text(text)
+    if line.plain:
+        console.print(line, soft_wrap=True, highlight=False)
+
+
+def _text(value: str, style: str = "") -> Text:
+    """A plain table cell or phrase; Text skips Console.render_str, so it is made safe for display here."""
+    return Text(for_display(value), style=style)
+
+
+def _rate(byte_count: int, seconds: float) -> str:
+    """` (12.3 MiB/s)`, or nothing for a step too short to measure (a 0.0 s copy has no meaningful rate)."""
+    return f" ({human_bytes(byte_count / seconds)}/s)" if seconds >= 0.05 and byte_count else ""
+
+
+def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     console = stderr() if to_stderr else stdout()
     if report.findings:
-        table = Table(show_lines=False, header_style="bold")
-        for column in ("severity", "code", "file", "tensor", "message"):
-            table.add_column(column, overflow="fold")
+        rows: list[list[Text]] = []
         shown: dict[tuple[str, str, str | None], int] = {}
         for finding in report.findings:
             group = (finding.severity, finding.code, finding.file)
@@ -199,92 +289,88 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
             if shown[group] > FINDINGS_SHOWN_PER_GROUP:
                 continue
             style = "red" if finding.severity == "error" else "yellow"
-            table.add_row(
-                f"[{style}]{finding.severity}[/]",
-                escape(finding.code),
-                escape(finding.file or ""),
-                escape(finding.tensor or ""),
-                escape(finding.message),
-            )
+            rows.append([_text(finding.severity, style), _text(finding.code), _text(finding.file or ""),
+                         _text(finding.tensor or ""), _text(finding.message)])  # fmt: skip
         for (severity, code, file), count in shown.items():
             if count > FINDINGS_SHOWN_PER_GROUP:
                 hidden = count - FINDINGS_SHOWN_PER_GROUP
-                table.add_row(
-                    f"[dim]{severity}[/]", escape(code), escape(file or ""), "", f"[dim]... and {hidden} more (see --json)[/]"
-                )
-        console.print(table)
+                rows.append([_text(severity, "dim"), _text(code), _text(file or ""), _text(""),
+                             _text(f"... and {hidden:,} more (see --json)", "dim")])  # fmt: skip
+        columns = [Column("severity"), Column("code"), Column("file"), Column("tensor"), Column("message", wraps=True)]
+        print_table(console, columns, rows)
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
-    console.print(
-        f"{verdict} {escape(report.checkpoint)} ({report.layout}): {len(report.errors)} errors, "
-        f"{len(report.warnings)} warnings; {stats.files} files, {stats.tensors} tensors, "
-        f"{human_bytes(stats.total_bytes)} checkpoint, {human_bytes(stats.bytes_read)} of headers read "
-        f"in {stats.requests} requests, {stats.seconds:.2f} s",
-        highlight=False,
-    )
+    print_phrases(console, [
+        f"{verdict} {escape(report.checkpoint)} ({report.layout}):", plural(len(report.errors), "error") + ",",
+        plural(len(report.warnings), "warning") + ";", plural(stats.files, "file") + ",",
+        plural(stats.tensors, "tensor") + ",", f"{human_bytes(stats.total_bytes)} checkpoint,",
+        f"{human_bytes(stats.bytes_read)} of headers read", f"in {plural(stats.requests, 'request')},",
+        f"{stats.seconds:.2f} s",
+    ], separator=" ")  # fmt: skip
 
 
 LEFT_ALONE_ROWS = 20
 
 
 def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
-    from rich.table import Table
-
     console = stderr() if to_stderr else stdout()
-    table = Table(header_style="bold", title=escape(f"{plan.source} -> {plan.dest}") + (f" @ {plan.commit}" if plan.commit else ""))
-    for column in ("action", "size", "file", "reason"):
-        table.add_column(column, overflow="fold", justify="right" if column == "size" else "left")
-    for file in plan.files:
-        style = "green" if file.action == "copy" else "dim"
-        table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), escape(file.path), escape(file.reason))
-    for selection in plan.excluded:
-        table.add_row("[yellow]leave out[/]", "", escape(selection.path), escape(selection.reason))
-    for path in plan.cleanup.to_remove:
-        table.add_row("[red]remove[/]", "", escape(path), "an earlier streamctl run wrote it; removed after copying")
+    rows = [
+        [_text(file.action, "green" if file.action == "copy" else "dim"), _text(human_bytes(file.size)),
+         _text(file.path), _text(file.reason)]
+        for file in plan.files
+    ]  # fmt: skip
+    rows += [[_text("leave out", "yellow"), _text(""), _text(item.path), _text(item.reason)] for item in plan.excluded]
+    rows += [[_text("remove", "red"), _text(""), _text(path), _text("an earlier streamctl run wrote it; removed after copying")]
+             for path in plan.cleanup.to_remove]  # fmt: skip
     shown_left = plan.cleanup.left_alone[:LEFT_ALONE_ROWS]  # DEST may be a whole bucket: --json lists them all
-    for item in shown_left:
-        table.add_row("[dim]leave alone[/]", "", escape(item.path), escape(f"in DEST, {item.reason}"))
+    rows += [[_text("leave alone", "dim"), _text(""), _text(item.path), _text(f"in DEST, {item.reason}")]
+             for item in shown_left]  # fmt: skip
     if len(plan.cleanup.left_alone) > len(shown_left):
         more = len(plan.cleanup.left_alone) - len(shown_left)
-        table.add_row("[dim]leave alone[/]", "", f"... and {more} more", "in DEST (see --json)")
-    console.print(table)
+        rows.append([_text("leave alone", "dim"), _text(""), _text(f"... and {more:,} more"), _text("in DEST (see --json)")])
+    columns = [Column("action"), Column("size", right=True), Column("file"), Column("reason", wraps=True)]
+    # A Hub source is pinned to the commit its revision resolved to; a folder or bucket has none to show.
+    title = f"{plan.source} -> {plan.dest}" + (f" @ {plan.commit}" if plan.commit else "")
+    print_table(console, columns, rows, title=title)
     copying = sum(1 for file in plan.files if file.action == "copy")
-    in_dest = ""
+    phrases = [
+        f"{copying:,} of {plural(len(plan.files), 'file')} to copy", f"({human_bytes(plan.copy_bytes)} of",
+        f"{human_bytes(plan.total_bytes)}),", f"{len(plan.excluded):,} left out",
+    ]  # fmt: skip
     if plan.cleanup.to_remove:
-        in_dest += f", {len(plan.cleanup.to_remove)} in DEST to remove after copying"
+        phrases[-1] += ","
+        phrases.append(f"{len(plan.cleanup.to_remove):,} in DEST to remove after copying")
     if plan.cleanup.left_alone:
-        in_dest += f", {len(plan.cleanup.left_alone)} in DEST left alone"
-    console.print(
-        f"{copying} of {len(plan.files)} files to copy ({human_bytes(plan.copy_bytes)} of "
-        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out{in_dest}",
-        highlight=False,
-    )
+        phrases[-1] += ","
+        phrases.append(f"{len(plan.cleanup.left_alone):,} in DEST left alone")
+    print_phrases(console, phrases, separator=" ")
 
 
 def render_transfer_result(result: TransferResult) -> None:
     copied = sum(1 for file in result.files if file.action == "copied")
     skipped = len(result.files) - copied
-    discarded = f"; discarded {len(result.discarded)} unfinished uploads of an earlier run" if result.discarded else ""
-    if result.removed:
-        count = len(result.removed)
-        discarded += f"; removed {count} file{'' if count == 1 else 's'} an earlier streamctl run wrote"
-    stdout().print(
-        f"[bold green]done[/] {escape(result.dest)}: {copied} copied, {skipped} unchanged{discarded}; "
-        f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
-        highlight=False,
+    discarded = (
+        f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run" if result.discarded else ""
     )
+    if result.removed:
+        discarded += f"; removed {plural(len(result.removed), 'file')} an earlier streamctl run wrote"
+    print_phrases(stdout(), [
+        f"[bold green]done[/] {escape(result.dest)}:", f"{copied:,} copied,", f"{skipped:,} unchanged{discarded};",
+        f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s{_rate(result.bytes_copied, result.seconds)}",
+    ], separator=" ")  # fmt: skip
 
 
 def render_tune_result(result: TuneResult) -> None:
     from rich.table import Table
 
-    table = Table(header_style="bold", title=f"streamer throughput over {len(result.files)} files")
-    for column in ("concurrency", "GB/s", "seconds"):
+    table = Table(header_style="bold", title=f"streamer throughput over {plural(len(result.files), 'file')}")
+    for column in ("concurrency", "GiB/s", "seconds"):
         table.add_column(column, justify="right")
     best = result.best.concurrency
     for sample in result.samples:
         mark = " *" if sample.concurrency == best else ""
-        table.add_row(f"{sample.concurrency}{mark}", f"{sample.gb_per_s:.2f}", f"{sample.seconds:.2f}")
+        rate = sample.bytes / 1024**3 / sample.seconds if sample.seconds > 0 else 0.0
+        table.add_row(f"{sample.concurrency}{mark}", f"{rate:.2f}", f"{sample.seconds:.2f}")
     console = stderr()
     if not settings.quiet:
         console.print(table)
@@ -300,39 +386,30 @@ if TYPE_CHECKING:
 
 def render_shard_result(result: ShardResult) -> None:
     """The files written per rank, then one line for the run and one for the checks."""
-    from rich.table import Table
-
     plan = result.plan
     console = stdout()
-    table = Table(header_style="bold", title=escape(f"{plan.source} -> {plan.dest}"))
-    for column in ("pp", "tp", "part", "file", "size", "tensors", "sha256"):
-        numeric = column in ("pp", "tp", "part", "size", "tensors")
-        table.add_column(column, overflow="fold", justify="right" if numeric else "left")
-    for file in result.files:
-        table.add_row(
-            str(file.pp_rank),
-            str(file.tp_rank),
-            str(file.part),
-            escape(file.path),
-            human_bytes(file.size),
-            str(len(file.tensors)),
-            file.sha256[:16],
-        )
-    console.print(table)
+    columns = [Column("pp", right=True, in_list="PP {}"), Column("tp", right=True, in_list="TP {}"),
+               Column("part", right=True, in_list="part {}"), Column("file"), Column("size", right=True),
+               Column("tensors", right=True, in_list="{} tensors"), Column("sha256", in_list="sha256 {}")]  # fmt: skip
+    rows = [
+        [_text(str(file.pp_rank)), _text(str(file.tp_rank)), _text(str(file.part)), _text(file.path),
+         _text(human_bytes(file.size)), _text(f"{len(file.tensors):,}"), _text(file.sha256[:16])]
+        for file in result.files
+    ]  # fmt: skip
+    print_table(console, columns, rows, title=f"{plan.source} -> {plan.dest}")
     parallel = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
     layout = f"{parallel}, {plan.row.label}, pattern {plan.pattern}"
-    removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
+    removed = f"; removed {plural(len(result.removed), 'stale file')}" if result.removed else ""
     foreign = sum(1 for item in plan.left_alone if not item.streamctl)
     if foreign:
-        removed += f"; left {foreign} file{'' if foreign == 1 else 's'} streamctl did not write"
+        removed += f"; left {plural(foreign, 'file')} streamctl did not write"
     if result.discarded:
-        removed += f"; discarded {len(result.discarded)} unfinished uploads of an earlier run"
-    console.print(
-        f"[bold green]done[/] {escape(plan.dest)} ({escape(layout)}, engine {result.engine}): {len(result.files)} "
-        f"weight files and {len(result.copied)} serving files{removed}; {human_bytes(result.bytes_written)} in "
-        f"{result.seconds:.1f} s ({result.throughput_mb_s:.1f} MB/s)",
-        highlight=False,
-    )
+        removed += f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run"
+    print_phrases(console, [
+        f"[bold green]done[/] {escape(plan.dest)}", f"({escape(layout)},", f"engine {result.engine}):",
+        f"{plural(len(result.files), 'weight file')} and", f"{plural(len(result.copied), 'serving file')}{removed};",
+        f"{human_bytes(result.bytes_written)} in {result.seconds:.1f} s{_rate(result.bytes_written, result.seconds)}",
+    ], separator=" ")  # fmt: skip
     render_shard_checks(result)
 
 
@@ -347,9 +424,9 @@ def render_shard_checks(result: ShardResult) -> None:
             console.print(f"[red]reconstruction:[/] {escape(problem)}", highlight=False)
     verify = "[green]OK[/]" if result.verify.ok else "[bold red]FAILED[/]"
     if reconstruction is None:
-        rebuilt = "[yellow]skipped[/] (architecture outside the layout table)"
+        rebuilt = ["[yellow]skipped[/]", "(architecture outside the layout table)"]
     else:
         state = "[green]OK[/]" if reconstruction.ok else "[bold red]FAILED[/]"
         compared = human_bytes(reconstruction.bytes_compared)
-        rebuilt = f"{state} ({reconstruction.tensors} source tensors, {compared} compared)"
-    console.print(f"checks: verify-index --sharded {verify}; reconstruction {rebuilt}", highlight=False)
+        rebuilt = [state, f"({plural(reconstruction.tensors, 'source tensor')},", f"{compared} compared)"]
+    print_phrases(console, ["checks:", "verify-index --sharded", f"{verify};", "reconstruction", *rebuilt], separator=" ")

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from streamctl import __version__
 from streamctl.errors import (
     IntegrityError,
+    MissingProgramError,
     NotFoundError,
     StreamctlError,
     UsageError,
@@ -106,6 +107,7 @@ from streamctl.sharded import (
     validate_pattern,
 )
 from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
+from streamctl.words import plural
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
 from streamctl.verify import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport, verify_checkpoint
@@ -842,7 +844,7 @@ def _check_dest(dest: Location, pattern: str, writes: set[str], force: bool) -> 
     if existing and not force:
         shown = ", ".join(sorted(existing)[:3]) + (", ..." if len(existing) > 3 else "")
         raise UsageError(
-            f"{dest.url} already holds {len(existing)} files ({shown})",
+            f"{dest.url} already holds {plural(len(existing), 'file')} ({shown})",
             hint=(
                 "these look like an interrupted shard run (its manifest is missing or incomplete); "
                 "pass --force to write them again"
@@ -1951,11 +1953,12 @@ def _find_gpus() -> bool:
 
 
 def check_vllm_engine_available() -> None:
-    """UsageError naming what is missing for --engine vllm: the vllm package, or CUDA GPUs."""
+    """The error naming what is missing for --engine vllm: the vllm package (exit 127, as for every missing
+    program or extra), or CUDA GPUs (exit 2: nothing to install fixes that here)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        raise UsageError(
+        raise MissingProgramError(
             "--engine vllm needs the vllm package in this Python environment, and it is not installed",
             hint="pip install 'streamctl[vllm]' on a machine with GPUs, or use --engine offline",
         )

@@ -247,9 +247,9 @@ def _check_manifest(
     if manifest is None:
         return
     if manifest.get("source") != source or manifest.get("commit") != commit:
-        held = f"{manifest.get('source')}@{manifest.get('commit') or '-'}"
+        held = f"{manifest.get('source')}" + (f"@{manifest['commit']}" if manifest.get("commit") else "")
         raise UsageError(
-            f"{dest.url} already holds {held}, not {source}@{commit or '-'}",
+            f"{dest.url} already holds {held}, not {source}" + (f"@{commit}" if commit else ""),
             hint="choose another destination prefix, or pass --force to overwrite it",
         )
 

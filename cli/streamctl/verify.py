@@ -447,6 +447,18 @@ def _check_options(options: VerifyOptions) -> None:
             raise UsageError(f"{label} parallel size must be at least 1, not {value}")
     if options.pattern is not None:
         pattern_fields(options.pattern)  # syntax errors are the caller's, not the checkpoint's
+    sharded_only = [
+        flag
+        for flag, value in (
+            ("--tensor-parallel-size", options.tensor_parallel_size),
+            ("--pipeline-parallel-size", options.pipeline_parallel_size),
+            ("--pattern", options.pattern),
+        )
+        if value is not None
+    ]
+    if options.sharded is False and sharded_only:
+        raise UsageError(f"{sharded_only[0]} describes a sharded checkpoint, and --not-sharded says it is not one",
+                         hint=f"drop {sharded_only[0]} or --not-sharded")  # fmt: skip
     if options.index_name is not None and not options.index_name.strip():
         raise UsageError("empty --index name")
 
@@ -491,7 +503,10 @@ def _sharded_pattern(options: VerifyOptions, names: Sequence[str]) -> str | None
     if options.pattern is not None:
         return options.pattern
     detected = detect_sharded_pattern(names)
-    if options.sharded:
+    # A TP or PP size says what the user expects (a sharded checkpoint for that many ranks), as --pattern
+    # does: check for it, so an HF checkpoint fails with sharded-rank-missing rather than passing unasked.
+    expects_sharded = options.tensor_parallel_size is not None or options.pipeline_parallel_size is not None
+    if options.sharded or expects_sharded:
         return detected or default_pattern(options.pipeline_parallel_size or 1)
     return detected
 

@@ -17,6 +17,7 @@ EndpointOption = Annotated[
     Optional[str],
     typer.Option(
         "--endpoint-url",
+        metavar="URL",
         envvar="AWS_ENDPOINT_URL",
         help="S3-compatible endpoint (MinIO, R2, GCS interop ...).",
         rich_help_panel="Storage",
@@ -35,6 +36,7 @@ AzureAccountOption = Annotated[
     Optional[str],
     typer.Option(
         "--azure-account",
+        metavar="NAME",
         envvar="AZURE_STORAGE_ACCOUNT_NAME",
         help="Azure storage account for az:// URLs.",
         rich_help_panel="Storage",
@@ -43,9 +45,80 @@ AzureAccountOption = Annotated[
 
 HfTokenOption = Annotated[
     Optional[str],
-    typer.Option("--token", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
+    typer.Option("--token", metavar="TOKEN", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
 ]
 
 
 def apply_output_flags(json_output: bool, quiet: bool, debug: bool) -> None:
     output.configure(json_output=json_output, quiet=quiet, debug=debug)
+
+
+# ---------------------------------------------------------------------------------------- option scope
+# The kind of location each storage or Hub option configures. Given on the command line for a command
+# whose locations include none of that kind, the option would do nothing; see check_option_scope.
+OPTION_SCHEMES: dict[str, str] = {
+    "endpoint_url": "s3",
+    "path_style": "s3",
+    "azure_account": "az",
+    "token": "hf",
+    "revision": "hf",
+    "repo_type": "hf",
+}
+# Refused when unused: these choose WHICH data (--revision, --repo-type) or WHERE it is (--endpoint-url,
+# --azure-account), and ignoring them could read or write other data than the user meant (a gs:// DEST with
+# --endpoint-url is real GCS, not the MinIO the user had in mind). Only warned about: these tune HOW the
+# data is reached, and the result is the one asked for (scripts pass --token to every command alike).
+WARN_WHEN_UNUSED = frozenset({"path_style", "token"})
+SCHEME_NAMES = {"s3": "s3:// locations", "az": "az:// locations", "hf": "Hugging Face sources"}
+
+
+def given_options(ctx: typer.Context) -> dict[str, str]:
+    """Options typed on the command line (not defaults, not environment variables): name -> the flag."""
+    flags = {}
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name) if param.name else None
+        if param.param_type_name != "option" or source is None or source.name != "COMMANDLINE":
+            continue
+        negative = bool(param.secondary_opts) and ctx.params.get(param.name) is False
+        flags[param.name] = (param.secondary_opts if negative else [max(param.opts, key=len)])[0]
+    return flags
+
+
+def check_option_scope(ctx: typer.Context, locations: list[str]) -> None:
+    """Refuse (exit 2) or warn about storage and Hub options for kinds of location none of `locations` is."""
+    from streamctl.errors import UsageError
+    from streamctl.storage.url import parse_url
+
+    schemes = {parse_url(location).scheme for location in locations}
+    for name, flag in given_options(ctx).items():
+        scheme = OPTION_SCHEMES.get(name)
+        if scheme is None or scheme in schemes:
+            continue
+        these = " and ".join(locations) + (" is not one" if len(locations) == 1 else " are not")
+        message = f"{flag} applies to {SCHEME_NAMES[scheme]}, and {these}"
+        if name in WARN_WHEN_UNUSED:
+            output.warn(f"{message}; ignored")
+        else:
+            raise UsageError(message, hint=f"drop {flag}, or check the location")
+
+
+def check_mode_options(ctx: typer.Context, enabled: bool, mode_flag: str, panel: str) -> None:
+    """Options of one help section (e.g. Kubernetes) only do something with their mode's flag (--k8s):
+    without it the command does something else entirely (serve launches vLLM here), so they are refused."""
+    from streamctl.errors import UsageError
+
+    if enabled:
+        return
+    given = given_options(ctx)
+    for param in ctx.command.params:
+        if getattr(param, "rich_help_panel", None) == panel and param.name in given:
+            raise UsageError(f"{given[param.name]} applies only with {mode_flag}", hint=f"add {mode_flag}, or drop {given[param.name]}")
+
+
+def refuse_together(ctx: typer.Context, first: str, second: str, why: str) -> None:
+    """Two given options that contradict each other: exit 2 naming both, not one silently winning."""
+    from streamctl.errors import UsageError
+
+    given = given_options(ctx)
+    if first in given and second in given:
+        raise UsageError(f"{given[first]} and {given[second]} together: {why}", hint="drop one of them")

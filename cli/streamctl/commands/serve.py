@@ -17,6 +17,9 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_mode_options,
+    check_option_scope,
+    refuse_together,
 )
 
 if TYPE_CHECKING:
@@ -26,6 +29,7 @@ EXPERIMENTAL = "Experimental: DeepSeek V4.1 CPU Engram loading"
 
 
 def command(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Bucket prefix (s3://, gs://, az://) or local folder.")],
     vllm_args: Annotated[
         Optional[list[str]], typer.Argument(help="Arguments for vLLM, after --.", show_default=False)
@@ -56,20 +60,22 @@ def command(
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
-    namespace: Annotated[str, typer.Option("--namespace", rich_help_panel="Kubernetes")] = "default",
-    name: Annotated[Optional[str], typer.Option("--name", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
+    namespace: Annotated[
+        str, typer.Option("--namespace", metavar="NAME", help="Namespace of the Deployment and Service.", rich_help_panel="Kubernetes")
+    ] = "default",
+    name: Annotated[Optional[str], typer.Option("--name", metavar="NAME", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
     image: Annotated[
         Optional[str], typer.Option("--image", help="vLLM image (default: vllm/vllm-openai:v0.33.0).", rich_help_panel="Kubernetes")
     ] = None,
     service_account: Annotated[
         Optional[str],
-        typer.Option("--service-account", help="Workload-identity service account.", rich_help_panel="Kubernetes"),
+        typer.Option("--service-account", metavar="NAME", help="Workload-identity service account.", rich_help_panel="Kubernetes"),
     ] = None,
     accelerator: Annotated[
-        Optional[str], typer.Option("--accelerator", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes")
+        Optional[str], typer.Option("--accelerator", metavar="TYPE", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes")
     ] = None,
     secret: Annotated[
-        Optional[str], typer.Option("--secret", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes")
+        Optional[str], typer.Option("--secret", metavar="NAME", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes")
     ] = None,
     cpu_weight_files: Annotated[
         Optional[str],
@@ -112,6 +118,7 @@ def command(
     )
     from streamctl.storage import StorageOptions, open_location
     from streamctl.verify import Expectation, VerifyOptions, verify_checkpoint
+    from streamctl.words import plural
 
     engram_options = EngramOptions(
         cpu_weight_files=tuple(name.strip() for name in (cpu_weight_files or "").split(",") if name.strip()),
@@ -133,6 +140,10 @@ def command(
         vllm_args=tuple(vllm_args or ()),
     )
     options.validate()
+    check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
+    refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
+    refuse_together(ctx, "k8s", "json_output", "--k8s prints the manifests as YAML")
+    check_option_scope(ctx, [options.model])
     if engram_options.enabled and not preflight:
         raise UsageError(
             "--cpu-weight-files needs the pre-flight: it checks that the index places the Engram tensors in those files",
@@ -161,7 +172,7 @@ def command(
         if not report.ok:
             output.render_verify_report(report, to_stderr=True)
             raise VerificationFailed(
-                f"pre-flight found {len(report.errors)} errors in {report.checkpoint}",
+                f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
                 hint="fix them (see the table above), or pass --no-preflight to launch anyway",
             )
         is_sharded = report.layout == "sharded"
@@ -259,3 +270,11 @@ def _layout_without_preflight(location: Location, sharded: Optional[bool], patte
             f" ({error.hint})" if error.hint else ""
         )
         raise
+
+
+# The last section of `streamctl serve --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Print the checked vLLM command line; run nothing:", "streamctl serve gs://models/qwen3-8b --dry-run -- --max-model-len 4096"),
+    ("Launch a model sharded for 8 GPUs, concurrency measured first:", "streamctl serve s3://models/llama-70b-tp8 -tp 8 --tune"),
+    ("Write a GKE Deployment and Service for it:", "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml"),
+)

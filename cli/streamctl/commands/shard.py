@@ -18,6 +18,7 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_option_scope,
 )
 
 
@@ -34,6 +35,7 @@ class EngineOption(str, Enum):
 
 
 def command(
+    ctx: typer.Context,
     source: Annotated[
         str,
         typer.Argument(
@@ -43,7 +45,7 @@ def command(
     ],
     dest: Annotated[str, typer.Argument(help="Local folder or s3://, gs://, az:// prefix for the sharded files.")],
     tensor_parallel_size: Annotated[
-        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks to shard for (required).")
+        int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="TP ranks to shard for.")
     ],
     pipeline_parallel_size: Annotated[
         int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Pipeline stages (vLLM's layer split).")
@@ -117,11 +119,13 @@ def command(
         layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
     )
     options.validate()
+    source_url = resolve_source_url(source)
+    check_option_scope(ctx, [source_url, dest])
     keep_freed_buffers_in_the_heap()
     storage = StorageOptions(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
     )
-    source_location = open_location(resolve_source_url(source), storage)
+    source_location = open_location(source_url, storage)
     dest_location = open_destination(dest, storage)
     try:
         with output.progress(byte_counts=True) as progress:
@@ -136,3 +140,10 @@ def command(
         output.print_json(result.to_json())
     else:
         output.render_shard_result(result)
+
+
+# The last section of `streamctl shard --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Shard a bucket copy for 8 GPUs into another bucket:", "streamctl shard gs://models/llama-70b s3://models/llama-70b-tp8 -tp 8"),
+    ("Shard a Hub repo for TP 2 x PP 2, cast to bfloat16:", "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16"),
+)

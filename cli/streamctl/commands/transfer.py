@@ -17,6 +17,9 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_mode_options,
+    check_option_scope,
+    refuse_together,
 )
 
 
@@ -26,10 +29,11 @@ class RepoType(str, Enum):
 
 
 def command(
+    ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="hf://ORG/NAME, ORG/NAME, a local folder, or a bucket prefix.")],
     dest: Annotated[str, typer.Argument(help="gs://, s3://, az:// prefix or a local folder.")],
     revision: Annotated[
-        Optional[str], typer.Option("--revision", help="Branch, tag or commit (resolved to one commit).")
+        Optional[str], typer.Option("--revision", metavar="REV", help="Branch, tag or commit (resolved to one commit).")
     ] = None,
     repo_type: Annotated[
         Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type (default: model).")
@@ -57,14 +61,14 @@ def command(
     k8s_job: Annotated[
         bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
     ] = False,
-    namespace: Annotated[str, typer.Option("--namespace", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
+    namespace: Annotated[str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
     service_account: Annotated[
         Optional[str],
-        typer.Option("--service-account", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
+        typer.Option("--service-account", metavar="NAME", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
     ] = None,
     secret: Annotated[
         Optional[str],
-        typer.Option("--secret", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
+        typer.Option("--secret", metavar="NAME", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
     ] = None,
     image: Annotated[
         Optional[str],
@@ -106,6 +110,11 @@ def command(
     )
     options.validate()
     source_url = resolve_source_url(source, repo_type.value if repo_type else None)
+    check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
+    refuse_together(ctx, "k8s_job", "dry_run", "the Job runs the whole transfer (preview it without --k8s-job)")
+    refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
+    check_option_scope(ctx, [source_url, dest])
     if k8s_job:
         arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
         arguments += [f"--revision={revision}"] if revision else []
@@ -160,7 +169,15 @@ def command(
         output.print_json(document)
     else:
         output.render_transfer_result(result)
-        if report is not None and not report.ok:
+        if report is not None and (not report.ok or report.warnings):  # warnings too, as verify-index shows them
             output.render_verify_report(report)
     if report is not None and not report.ok:
         raise typer.Exit(1)
+
+
+# The last section of `streamctl transfer --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Copy what vLLM needs from a Hub repo into a GCS bucket:", "streamctl transfer Qwen/Qwen3-8B gs://models/qwen3-8b"),
+    ("Show the plan for one revision; copy nothing:", "streamctl transfer Qwen/Qwen3-8B s3://models/q3 --revision v1 --dry-run"),
+    ("Run the copy inside the cluster as a Kubernetes Job:", "streamctl transfer Qwen/Qwen3-8B gs://m/q3 --k8s-job | kubectl apply -f -"),
+)

@@ -15,17 +15,19 @@ from streamctl.commands.common import (
     PathStyleOption,
     QuietOption,
     apply_output_flags,
+    check_option_scope,
 )
 
 
 def command(
+    ctx: typer.Context,
     checkpoint: Annotated[
         str,
         typer.Argument(help="Local folder, s3://, gs://, az:// or https://ACCOUNT.blob.core.windows.net/ prefix."),
     ],
     index: Annotated[
         Optional[str],
-        typer.Option("--index", help="Index file name (default: model.safetensors.index.json if present)."),
+        typer.Option("--index", metavar="NAME", help="Index file name (default: model.safetensors.index.json if present)."),
     ] = None,
     expect: Annotated[
         Optional[list[str]],
@@ -74,6 +76,7 @@ def command(
     from streamctl.storage import StorageOptions, open_location
     from streamctl.verify import VerifyOptions, parse_expectation, verify_checkpoint
 
+    check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())
     location = open_location(
         checkpoint, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
@@ -95,3 +98,11 @@ def command(
         output.render_verify_report(report)
     if not report.ok or (strict and report.warnings):
         raise typer.Exit(1)
+
+
+# The last section of `streamctl verify-index --help` (each command line fits 80 columns).
+EXAMPLES = (
+    ("Check a checkpoint in a bucket, reading headers only:", "streamctl verify-index gs://models/qwen3-8b"),
+    ("Require every Engram tensor to live in one file; print JSON:", "streamctl verify-index s3://m/ds --expect '*engram*=e.safetensors' --json"),
+    ("Check a sharded-state folder written for 4 GPUs:", "streamctl verify-index ./llama-tp4 --sharded -tp 4"),
+)
