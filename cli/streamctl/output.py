@@ -51,6 +51,8 @@ def configure(*, debug: bool | None = None, quiet: bool | None = None, json_outp
 _PIPE_WIDTH = 200
 # Human reports show this many findings of one kind per file, then a count of the rest.
 FINDINGS_SHOWN_PER_GROUP = 5
+# ... and this many of one code over all files.
+FINDINGS_SHOWN_PER_CODE = 20
 
 
 def stdout() -> Console:
@@ -164,6 +166,9 @@ def human_bytes(count: float) -> str:
 
 
 def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
+    """The findings as a table, at most FINDINGS_SHOWN_PER_GROUP per code and file and FINDINGS_SHOWN_PER_CODE
+    per code over all files (a location with 200,000 missing shards stays readable and quick); the rest are
+    counted on one row per code. `--json` lists every finding the library reports."""
     from rich.table import Table
 
     console = stderr() if to_stderr else stdout()
@@ -172,11 +177,18 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
         for column in ("severity", "code", "file", "tensor", "message"):
             table.add_column(column, overflow="fold")
         shown: dict[tuple[str, str, str | None], int] = {}
+        shown_per_code: dict[tuple[str, str], int] = {}
+        hidden_per_code: dict[tuple[str, str], int] = {}
         for finding in report.findings:
             group = (finding.severity, finding.code, finding.file)
+            code = (finding.severity, finding.code)
             shown[group] = shown.get(group, 0) + 1
             if shown[group] > FINDINGS_SHOWN_PER_GROUP:
                 continue
+            if shown_per_code.get(code, 0) >= FINDINGS_SHOWN_PER_CODE:
+                hidden_per_code[code] = hidden_per_code.get(code, 0) + 1
+                continue
+            shown_per_code[code] = shown_per_code.get(code, 0) + 1
             style = "red" if finding.severity == "error" else "yellow"
             table.add_row(
                 f"[{style}]{finding.severity}[/]",
@@ -188,9 +200,17 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
         for (severity, code, file), count in shown.items():
             if count > FINDINGS_SHOWN_PER_GROUP:
                 hidden = count - FINDINGS_SHOWN_PER_GROUP
+                if shown_per_code.get((severity, code), 0) >= FINDINGS_SHOWN_PER_CODE:
+                    hidden_per_code[(severity, code)] = hidden_per_code.get((severity, code), 0) + hidden
+                    continue
+                shown_per_code[(severity, code)] = shown_per_code.get((severity, code), 0) + 1
                 table.add_row(
                     f"[dim]{severity}[/]", escape(code), escape(file or ""), "", f"[dim]... and {hidden} more (see --json)[/]"
                 )
+        for (severity, code), hidden in hidden_per_code.items():
+            table.add_row(
+                f"[dim]{severity}[/]", escape(code), "", "", f"[dim]... and {hidden:,} more {escape(code)} findings (see --json)[/]"
+            )
         console.print(table)
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
