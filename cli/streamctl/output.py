@@ -68,12 +68,43 @@ def chatty() -> bool:
     return not (settings.quiet or settings.json) and sys.stderr.isatty()
 
 
+_documents_printed = 0  # stdout carries exactly one JSON document with --json, success or failure
+
+
 def print_json(document: Any) -> None:
+    global _documents_printed
+    _documents_printed += 1
     sys.stdout.write(json.dumps(document, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
 
 
+def error_json(code: str, exit_code: int, message: str, hint: str | None) -> dict[str, Any]:
+    """The `error` object of a failure document: `code` is a stable machine name for the case."""
+    return {"code": code, "exit_code": exit_code, "message": message, "hint": hint}
+
+
+def print_error_document(
+    code: str, exit_code: int, message: str, hint: str | None, details: dict[str, Any] | None = None
+) -> None:
+    """`{"ok": false, "error": {...}, **details}` on stdout, unless the command already printed its document."""
+    if _documents_printed:
+        return
+    print_json({**(details or {}), "ok": False, "error": error_json(code, exit_code, message, hint)})
+
+
+def verify_document(report: VerifyReport, strict: bool = False) -> dict[str, Any]:
+    """`verify-index --json`'s document; a failed check (errors, or warnings with `strict`) has an `error`."""
+    document = report.to_json()
+    if not report.ok or (strict and report.warnings):
+        document["ok"] = False
+        message = f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}"
+        document["error"] = error_json("verification-failed", 1, message, None)
+    return document
+
+
 def print_error(error: StreamctlError) -> None:
+    if settings.json:
+        print_error_document(error.code, error.exit_code, error.message, error.hint, error.details)
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
@@ -82,10 +113,13 @@ def print_error(error: StreamctlError) -> None:
         console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False)
 
 
-def print_internal_error(error: BaseException) -> None:
+def print_internal_error(error: BaseException, exit_code: int) -> None:
+    first_line = (str(error).splitlines() or [""])[0]
+    if settings.json:
+        hint = "rerun with --debug for a traceback and report it"
+        print_error_document("internal-error", exit_code, f"{type(error).__name__}: {first_line}", hint)
     if settings.debug:
         traceback.print_exception(error, file=sys.stderr)
-    first_line = (str(error).splitlines() or [""])[0]
     stderr().print(
         f"[bold red]internal error:[/] {type(error).__name__}: {escape(first_line)}",
         markup=True,

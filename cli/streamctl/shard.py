@@ -368,6 +368,8 @@ class ShardResult:
 class ShardCheckFailed(VerificationFailed):
     """The files were written, but a post-write check failed (exit 1); `result` says which."""
 
+    code = "shard-check-failed"
+
     def __init__(self, result: ShardResult) -> None:
         reconstruction_ok = result.reconstruction is None or result.reconstruction.ok
         failed = [name for name, ok in (("verify", result.verify.ok), ("reconstruction", reconstruction_ok)) if not ok]

@@ -127,7 +127,7 @@ def command(
             result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
     except ShardCheckFailed as failure:
         if output.settings.json:
-            output.print_json(failure.result.to_json())
+            failure.details = failure.result.to_json()  # printed with the error, as one document
         else:
             output.render_shard_checks(failure.result)
         raise

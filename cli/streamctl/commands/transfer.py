@@ -157,6 +157,8 @@ def command(
     if output.settings.json:
         document = result.to_json()
         document["verify"] = report.to_json() if report else None
+        if report is not None and not report.ok:
+            document.update(ok=False, error=output.verify_document(report)["error"])
         output.print_json(document)
     else:
         output.render_transfer_result(result)
