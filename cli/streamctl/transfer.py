@@ -35,6 +35,7 @@ from streamctl.errors import (
     UsageError,
 )
 from streamctl.fileset import MANIFEST_NAME, Selection, is_safe_relative_path, select_files
+from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
@@ -101,8 +102,7 @@ class TransferOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def validate(self) -> None:
-        if self.concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
+        check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
         if self.part_size < 1:
             raise UsageError("--part-size must be positive")
         if self.max_buffer < self.part_size:

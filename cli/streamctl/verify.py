@@ -90,6 +90,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from streamctl.errors import NotFoundError, UsageError
+from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -415,11 +416,8 @@ def verify_checkpoint(
 
 
 def _check_options(options: VerifyOptions) -> None:
-    if options.concurrency < 1:
-        raise UsageError(f"concurrency must be at least 1, not {options.concurrency}")
-    for label, value in (("tensor", options.tensor_parallel_size), ("pipeline", options.pipeline_parallel_size)):
-        if value is not None and value < 1:
-            raise UsageError(f"{label} parallel size must be at least 1, not {value}")
+    check_count("--concurrency", options.concurrency, MAX_CONCURRENCY)
+    check_parallel_sizes(options.tensor_parallel_size, options.pipeline_parallel_size)
     if options.pattern is not None:
         pattern_fields(options.pattern)  # syntax errors are the caller's, not the checkpoint's
     if options.index_name is not None and not options.index_name.strip():

@@ -98,6 +98,7 @@ def command(
     Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
     """
     apply_output_flags(json_output, quiet, debug)
+    from streamctl.limits import MAX_OBJECT_SIZE
     from streamctl.memory import keep_freed_buffers_in_the_heap
     from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
@@ -108,7 +109,7 @@ def command(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         pattern=pattern,
-        max_part_size=parse_size(max_part_size, "--max-part-size"),
+        max_part_size=parse_size(max_part_size, "--max-part-size", MAX_OBJECT_SIZE),
         dtype=dtype.value,
         vllm_version=vllm_version,
         engine=engine.value,
