@@ -7,15 +7,13 @@ a few run as real subprocesses too.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from cli_helpers import run_cli
+from headers_helpers import run_main
 from tiny_models import write_tiny_checkpoint
-from streamctl import app as app_module
-from streamctl import output
 
 HUGE = "9" * 5000
 ABSURD = [
@@ -76,20 +74,6 @@ TOO_LARGE = {
     "--memory-limit": "65TiB",
     "--cpu-memory-limit": "100PiB",
 }
-
-
-def run_main(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """The real entry point in this process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(output, "settings", output.Settings())
-    monkeypatch.setattr(output, "_documents_printed", 0)
-    monkeypatch.setattr(sys, "argv", ["streamctl", *args])
-    code: object = 0
-    try:
-        app_module.main()
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return (code if isinstance(code, int) else (0 if code is None else 1)), captured.out, captured.err
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ except ImportError:  # pragma: no cover - an older Typer on the real Click
 
 from streamctl import __version__, output
 from streamctl.commands import serve, shard, transfer, verify_index
-from streamctl.errors import EXIT_INTERRUPTED, StreamctlError, UsageError
+from streamctl.errors import EXIT_INTERRUPTED, Interrupted, StreamctlError, UsageError
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70
@@ -105,7 +105,7 @@ def _main_with_json_errors() -> None:
         output.print_internal_error(error, EXIT_INTERNAL_ERROR)
         sys.exit(EXIT_INTERNAL_ERROR)
     if exit_code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C inside a command into exit 130
-        output.print_error(StreamctlError("interrupted", code="interrupted"))
+        output.print_error(Interrupted("interrupted"))
     sys.exit(exit_code if isinstance(exit_code, int) else 0)
 
 
@@ -119,11 +119,11 @@ def main() -> None:
         output.print_error(error)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:  # outside a command (Typer turns one inside into exit 130, silently)
-        output.print_error(StreamctlError("interrupted", code="interrupted"))
+        output.print_error(Interrupted("interrupted"))
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exit_:
         if exit_.code == EXIT_INTERRUPTED:
-            output.print_error(StreamctlError("interrupted", code="interrupted"))
+            output.print_error(Interrupted("interrupted"))
         raise
     except Exception as error:  # a bug: say so in one line, traceback only on request
         output.print_internal_error(error, EXIT_INTERNAL_ERROR)

@@ -82,3 +82,10 @@ class MissingProgramError(StreamctlError):
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
+
+
+class Interrupted(StreamctlError):
+    """Ctrl-C (SIGINT): the run stopped where it was; nothing half-written is under a final name."""
+
+    exit_code = EXIT_INTERRUPTED
+    code = "interrupted"
