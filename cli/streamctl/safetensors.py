@@ -7,6 +7,13 @@ size and the first 8 + N bytes, so tensor data is never read.
 A header is untrusted input: nothing is allocated from its length field before that length has been
 checked against the object size and the 100,000,000-byte cap, JSON nesting is bounded before parsing,
 and problems come back as values (`HeaderProblem`) instead of exceptions.
+
+Memory: `parse_header` scans the raw bytes entry by entry (`_Scanner`) and keeps only compact results
+(a slotted `TensorInfo` per tensor, shared shape tuples, at most PROBLEMS_KEPT_PER_CODE problems per code),
+so a header costs about 2-3 bytes of memory per byte on top of its own bytes, whatever it holds: measured
+2.8x for 1,000,000 tensors (100 MB, ~4 s) where `json.loads` into dicts took 8.9x and 15-37 s, and
+1.3x for 8,000,000 keys of empty arrays (31x before). Integers are read as serde_json (the reference
+reader) reads them: `-0`, `1.0`, `1e3` and anything past 2**64-1 are not integers.
 """
 
 from __future__ import annotations
