@@ -697,7 +697,7 @@ def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
     else:
         while True:
             fast = _FAST_ENTRY.match(data, position)
-            if fast is not None:
+            if fast is not None and fast.group(1) != _METADATA_KEY_BYTES:
                 name = fast.group(1).decode("utf-8")
                 root.entry(name, _canonical_entry(name, fast))
                 position = fast.end()
@@ -773,6 +773,7 @@ def _canonical_entry(name: str, match: re.Match[bytes]) -> tuple[TensorInfo | No
     return None, _Span(name, begin, end), problems
 
 
+_METADATA_KEY_BYTES = METADATA_KEY.encode()
 _LAYOUT_CODES = ("offsets-reversed", "offsets-gap", "offsets-overlap")
 _DTYPE_NAMES: Mapping[bytes, str] = {name.encode(): name for name in DTYPE_BITS}
 _shape_cache: dict[bytes, tuple[tuple[int, ...], bool]] = {}
