@@ -668,6 +668,7 @@ class _Root:
     seen: set[str] = field(default_factory=set)  # names of the entries kept (tensors, spans, metadata)
     entries: int = 0
     metadata: Mapping[str, str] | None = None
+    last_end: int = 0  # the end offset of the last tensor kept
 
     def entry(self, name: str, result: tuple[TensorInfo | None, _Span | None, list[HeaderProblem]]) -> None:
         tensor, span, problems = result
@@ -681,6 +682,7 @@ class _Root:
         self.entries += 1
         if tensor is not None:
             self.tensors.append(tensor)
+            self.last_end = tensor.end
         elif span is not None:
             self.spans.append(span)
         else:
@@ -699,7 +701,7 @@ def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
             fast = _FAST_ENTRY.match(data, position)
             if fast is not None and fast.group(1) != _METADATA_KEY_BYTES:
                 name = fast.group(1).decode("utf-8")
-                root.entry(name, _canonical_entry(name, fast))
+                root.entry(name, _canonical_entry(name, fast, root.last_end))
                 position = fast.end()
                 if fast.group("comma") is not None:  # another entry follows
                     continue
@@ -718,7 +720,7 @@ def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
                 else:
                     canonical = _CANONICAL_ENTRY.match(data, position)
                     if canonical is not None:
-                        root.entry(name, _canonical_entry(name, canonical))
+                        root.entry(name, _canonical_entry(name, canonical, root.last_end))
                         position = canonical.end()
                     else:
                         value, position = scanner.value(position)
@@ -745,11 +747,18 @@ def _not_an_object(header_json: bytes) -> HeaderProblem:
     return _error("header-not-object", f"header is a JSON {type(document.value).__name__}, not an object")
 
 
-def _canonical_entry(name: str, match: re.Match[bytes]) -> tuple[TensorInfo | None, _Span | None, list[HeaderProblem]]:
-    """A tensor entry in the canonical form: only the dtype and the 64-bit ranges are left to check."""
+def _canonical_entry(
+    name: str, match: re.Match[bytes], previous_end: int = 0
+) -> tuple[TensorInfo | None, _Span | None, list[HeaderProblem]]:
+    """A tensor entry in the canonical form: only the dtype and the 64-bit ranges are left to check.
+
+    A tensor usually begins where the previous one ended: that int object is shared, not made twice.
+    """
     if _has_lone_surrogate(name):  # only an escaped name (`\ud800`) can hold one
         return None, None, [_error("bad-tensor-entry", "tensor name holds a lone UTF-16 surrogate", printable(name))]
     begin, end = int(match.group("begin")), int(match.group("end"))
+    if begin == previous_end:
+        begin = previous_end
     if begin > U64_MAX or end > U64_MAX:  # 20 digits can still be too many
         message = f"data_offsets must be [begin, end], integers 0..2**64-1, got [{begin}, {end}]"
         return None, None, [_error("bad-offsets", message, printable(name))]
