@@ -364,7 +364,20 @@ def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, _Span | None
         valid = False
     if not valid or span is None:
         return None, span, problems
-    return TensorInfo(name, dtype, tuple(shape), span.begin, span.end), span, problems
+    return TensorInfo(name, dtype, _shared_shape(tuple(shape)), span.begin, span.end), None, problems
+
+
+_shared_shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def _shared_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One tuple object per distinct shape (of the first 4096): headers repeat a few shapes many times."""
+    shared = _shared_shapes.get(shape)
+    if shared is not None:
+        return shared
+    if len(_shared_shapes) < 4096:
+        _shared_shapes[shape] = shape
+    return shape
 
 
 def _shape_text(shape: Sequence[int]) -> str:
