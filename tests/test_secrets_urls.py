@@ -132,7 +132,10 @@ def test_manifests_refuse_urls_with_credentials(command: tuple[str, ...], env: d
     assert result.exit_code == 2, (result.stdout, result.stderr)
     assert result.stdout == ""
     _clean(result.stdout, result.stderr)
-    assert "Secret" in result.stderr and "--secret" in result.stderr
+    if "?sig=" in " ".join(command):  # a SAS in the URL is refused as soon as the URL is read, for every command
+        assert "AZURE_STORAGE_SAS_TOKEN" in result.stderr
+    else:
+        assert "Secret" in result.stderr and "--secret" in result.stderr
 
 
 def test_manifests_without_credentials_still_work() -> None:

@@ -9,10 +9,15 @@ from typing import Annotated
 
 import typer
 
+try:  # Typer 0.2x vendors Click; its own errors are these classes, not the `click` package's
+    from typer._click import exceptions as click_errors
+except ImportError:  # pragma: no cover - an older Typer on the real Click
+    import click.exceptions as click_errors  # type: ignore[no-redef]
+
 from streamctl import __version__, output
 from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.commands.help import HelpCommand, HelpGroup, with_examples
-from streamctl.errors import EXIT_INTERRUPTED, StreamctlError
+from streamctl.errors import EXIT_INTERRUPTED, Interrupted, StreamctlError, UsageError
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70
@@ -69,19 +74,69 @@ for _name, _module in (("transfer", transfer), ("verify-index", verify_index), (
     )(_module.command)
 
 
+def _json_requested(arguments: list[str]) -> bool:
+    """`--json` among streamctl's own arguments (those after `--` belong to vLLM)."""
+    own = arguments[: arguments.index("--")] if "--" in arguments else arguments
+    return "--json" in own
+
+
+def _click_error(error: click_errors.ClickException) -> StreamctlError:
+    """A usage error Click raised itself (unknown option, missing argument, bad int) as one of ours."""
+    if isinstance(error, click_errors.NoSuchOption):
+        code = "unknown-option"
+    elif isinstance(error, click_errors.MissingParameter):
+        code = "missing-parameter"
+    elif isinstance(error, click_errors.BadParameter):
+        code = "bad-option-value"
+    elif isinstance(error, click_errors.UsageError):
+        code = "usage-error"
+    else:
+        code = "error"
+    context = getattr(error, "ctx", None)
+    hint = f"see {context.command_path} --help" if context is not None else "see streamctl --help"
+    result = UsageError(error.format_message(), hint=hint, code=code)
+    result.exit_code = error.exit_code
+    return result
+
+
+def _main_with_json_errors() -> None:
+    """As `main`, for a command line with --json: every failure, Click's own included, is one JSON document."""
+    output.configure(json_output=True)
+    try:
+        exit_code = app(prog_name="streamctl", standalone_mode=False)
+    except click_errors.ClickException as error:
+        streamctl_error = _click_error(error)
+        output.print_error(streamctl_error)
+        sys.exit(streamctl_error.exit_code)
+    except StreamctlError as error:
+        output.print_error(error)
+        sys.exit(error.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        exit_code = EXIT_INTERRUPTED
+    except Exception as error:  # a bug: say so in one line, traceback only on request
+        output.print_internal_error(error, EXIT_INTERNAL_ERROR)
+        sys.exit(EXIT_INTERNAL_ERROR)
+    if exit_code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C inside a command into exit 130
+        output.print_error(Interrupted("interrupted"))
+    sys.exit(exit_code if isinstance(exit_code, int) else 0)
+
+
 def main() -> None:
+    if _json_requested(sys.argv[1:]):
+        _main_with_json_errors()
+        return
     try:
         app(prog_name="streamctl")
     except StreamctlError as error:
         output.print_error(error)
         sys.exit(error.exit_code)
     except KeyboardInterrupt:  # outside a command (Typer turns one inside into exit 130, silently)
-        output.print_error(StreamctlError("interrupted"))
+        output.print_error(Interrupted("interrupted"))
         sys.exit(EXIT_INTERRUPTED)
     except SystemExit as exit_:
         if exit_.code == EXIT_INTERRUPTED:
-            output.print_error(StreamctlError("interrupted"))
+            output.print_error(Interrupted("interrupted"))
         raise
     except Exception as error:  # a bug: say so in one line, traceback only on request
-        output.print_internal_error(error)
+        output.print_internal_error(error, EXIT_INTERNAL_ERROR)
         sys.exit(EXIT_INTERNAL_ERROR)

@@ -1,20 +1,31 @@
 """One exception tree for the whole library; `app.py` maps it to exit codes in one place.
 
-Every error carries a one-line message and, where one exists, a hint that names the fix.
+Every error carries a one-line message and, where one exists, a hint that names the fix, and a stable
+machine name (`code`) that `--json` prints in its error document; a case may name itself more precisely
+than its class (`UsageError(..., code="bad-option-value")`). `details` are extra top-level fields of that
+document (a pre-flight's findings, a shard run's result).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 
 class StreamctlError(Exception):
     """Base of every error the library raises on purpose."""
 
     exit_code = 2
+    code = "error"
 
-    def __init__(self, message: str, hint: str | None = None) -> None:
+    def __init__(
+        self, message: str, hint: str | None = None, *, code: str | None = None, details: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.hint = hint
+        if code is not None:
+            self.code = code
+        self.details = details
 
     def __str__(self) -> str:
         return self.message
@@ -24,43 +35,57 @@ class UsageError(StreamctlError):
     """Bad usage or bad input: a malformed URL, option or file."""
 
     exit_code = 2
+    code = "usage-error"
 
 
 class NotFoundError(StreamctlError):
     """A bucket, container, prefix, object, repo or file does not exist."""
 
     exit_code = 3
+    code = "not-found"
 
 
 class AccessDeniedError(StreamctlError):
     """Credentials are missing, or they lack a permission."""
 
     exit_code = 4
+    code = "access-denied"
 
 
 class IntegrityError(StreamctlError):
     """Bytes did not match their checksum."""
 
     exit_code = 5
+    code = "integrity-error"
 
 
 class RemoteError(StreamctlError):
     """A remote service or the network failed, after retries."""
 
     exit_code = 6
+    code = "remote-error"
 
 
 class VerificationFailed(StreamctlError):
     """A verification ran to the end and found errors."""
 
     exit_code = 1
+    code = "verification-failed"
 
 
 class MissingProgramError(StreamctlError):
     """A program or optional extra that this command needs is not installed (as a shell's 127)."""
 
     exit_code = 127
+    code = "missing-program"
 
 
 EXIT_OK = 0
 EXIT_INTERRUPTED = 130
+
+
+class Interrupted(StreamctlError):
+    """Ctrl-C (SIGINT): the run stopped where it was; nothing half-written is under a final name."""
+
+    exit_code = EXIT_INTERRUPTED
+    code = "interrupted"

@@ -55,6 +55,8 @@ def configure(*, debug: bool | None = None, quiet: bool | None = None, json_outp
 _PIPE_WIDTH = 200
 # Human reports show this many findings of one kind per file, then a count of the rest.
 FINDINGS_SHOWN_PER_GROUP = 5
+# ... and this many of one code over all files.
+FINDINGS_SHOWN_PER_CODE = 20
 
 
 class _SafeConsole(Console):
@@ -98,14 +100,45 @@ def _masked(value: Any) -> Any:
     return value
 
 
+_documents_printed = 0  # stdout carries exactly one JSON document with --json, success or failure
+
+
 def print_json(document: Any) -> None:
+    global _documents_printed
+    _documents_printed += 1
     sys.stdout.write(json.dumps(_masked(document), indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def error_json(code: str, exit_code: int, message: str, hint: str | None) -> dict[str, Any]:
+    """The `error` object of a failure document: `code` is a stable machine name for the case."""
+    return {"code": code, "exit_code": exit_code, "message": message, "hint": hint}
+
+
+def print_error_document(
+    code: str, exit_code: int, message: str, hint: str | None, details: dict[str, Any] | None = None
+) -> None:
+    """`{"ok": false, "error": {...}, **details}` on stdout, unless the command already printed its document."""
+    if _documents_printed:
+        return
+    print_json({**(details or {}), "ok": False, "error": error_json(code, exit_code, message, hint)})
+
+
+def verify_document(report: VerifyReport, strict: bool = False) -> dict[str, Any]:
+    """`verify-index --json`'s document; a failed check (errors, or warnings with `strict`) has an `error`."""
+    document = report.to_json()
+    if not report.ok or (strict and report.warnings):
+        document["ok"] = False
+        message = f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}"
+        document["error"] = error_json("verification-failed", 1, message, None)
+    return document
 
 
 def print_error(error: StreamctlError) -> None:
     """One line each for the error and its hint, however long (soft_wrap: Rich inserts no line breaks, so
     a long path is never split in a log, and the terminal wraps for the eye)."""
+    if settings.json:
+        print_error_document(error.code, error.exit_code, error.message, error.hint, error.details)
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
@@ -114,10 +147,13 @@ def print_error(error: StreamctlError) -> None:
         console.print(f"[yellow]hint:[/] {escape(error.hint)}", markup=True, highlight=False, soft_wrap=True)
 
 
-def print_internal_error(error: BaseException) -> None:
+def print_internal_error(error: BaseException, exit_code: int) -> None:
+    first_line = (str(error).splitlines() or [""])[0]
+    if settings.json:
+        hint = "rerun with --debug for a traceback and report it"
+        print_error_document("internal-error", exit_code, f"{type(error).__name__}: {first_line}", hint)
     if settings.debug:
         traceback.print_exception(error, file=sys.stderr)
-    first_line = (str(error).splitlines() or [""])[0]
     stderr().print(
         f"[bold red]internal error:[/] {type(error).__name__}: {escape(first_line)}",
         markup=True,
@@ -279,23 +315,40 @@ def _rate(byte_count: int, seconds: float) -> str:
 
 
 def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
+    """The findings as a table, at most FINDINGS_SHOWN_PER_GROUP per code and file and FINDINGS_SHOWN_PER_CODE
+    per code over all files (a location with 200,000 missing shards stays readable and quick); the rest are
+    counted on one row per code. `--json` lists every finding the library reports."""
     console = stderr() if to_stderr else stdout()
     if report.findings:
         rows: list[list[Text]] = []
         shown: dict[tuple[str, str, str | None], int] = {}
+        shown_per_code: dict[tuple[str, str], int] = {}
+        hidden_per_code: dict[tuple[str, str], int] = {}
         for finding in report.findings:
             group = (finding.severity, finding.code, finding.file)
+            code = (finding.severity, finding.code)
             shown[group] = shown.get(group, 0) + 1
             if shown[group] > FINDINGS_SHOWN_PER_GROUP:
                 continue
+            if shown_per_code.get(code, 0) >= FINDINGS_SHOWN_PER_CODE:
+                hidden_per_code[code] = hidden_per_code.get(code, 0) + 1
+                continue
+            shown_per_code[code] = shown_per_code.get(code, 0) + 1
             style = "red" if finding.severity == "error" else "yellow"
             rows.append([_text(finding.severity, style), _text(finding.code), _text(finding.file or ""),
                          _text(finding.tensor or ""), _text(finding.message)])  # fmt: skip
         for (severity, code, file), count in shown.items():
             if count > FINDINGS_SHOWN_PER_GROUP:
                 hidden = count - FINDINGS_SHOWN_PER_GROUP
+                if shown_per_code.get((severity, code), 0) >= FINDINGS_SHOWN_PER_CODE:
+                    hidden_per_code[(severity, code)] = hidden_per_code.get((severity, code), 0) + hidden
+                    continue
+                shown_per_code[(severity, code)] = shown_per_code.get((severity, code), 0) + 1
                 rows.append([_text(severity, "dim"), _text(code), _text(file or ""), _text(""),
                              _text(f"... and {hidden:,} more (see --json)", "dim")])  # fmt: skip
+        for (severity, code), hidden in hidden_per_code.items():
+            rows.append([_text(severity, "dim"), _text(code), _text(""), _text(""),
+                         _text(f"... and {hidden:,} more {code} findings (see --json)", "dim")])  # fmt: skip
         columns = [Column("severity"), Column("code"), Column("file"), Column("tensor"), Column("message", wraps=True)]
         print_table(console, columns, rows)
     stats = report.stats

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from streamctl.errors import UsageError
 from streamctl.redact import MASK, mask_credentials, printable
+from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
 from streamctl.sharded import default_pattern
 from streamctl.sizes import parse_size
 from streamctl.storage.url import ParsedURL, parse_url
@@ -60,7 +61,7 @@ def parse_memory_limit(text: str) -> int:
     stripped = text.strip()
     if stripped in ("-1", "0"):
         return int(stripped)
-    return parse_size(stripped, "--memory-limit")
+    return parse_size(stripped, "--memory-limit", MAX_MEMORY_LIMIT)
 
 
 def normalize_model(model: str) -> str:
@@ -111,10 +112,9 @@ class ServeOptions:
     vllm_args: tuple[str, ...] = ()
 
     def validate(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise UsageError("--tensor-parallel-size must be at least 1")
-        if self.concurrency is not None and self.concurrency < 1:
-            raise UsageError(f"--concurrency must be a positive integer, got {self.concurrency}")
+        check_parallel_sizes(self.tensor_parallel_size, None)
+        if self.concurrency is not None:
+            check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
         if self.memory_limit is not None and self.memory_limit < UNLIMITED:
             raise UsageError(f"--memory-limit must be -1, 0 or a size, got {self.memory_limit}")
         for flag in ("--load-format", "--model-loader-extra-config", "--tensor-parallel-size", "-tp"):

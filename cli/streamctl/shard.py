@@ -75,6 +75,7 @@ from streamctl.ownership import (
     shard_run_incomplete,
     written_by_streamctl,
 )
+from streamctl.limits import check_parallel_sizes, shown_number
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.safetensors import (
@@ -99,6 +100,7 @@ from streamctl.shard_layouts import (
     TensorRule,
     installed_vllm_version,
     layout_row,
+    parse_version,
 )
 from streamctl.sharded import (
     default_pattern,
@@ -162,8 +164,13 @@ class ShardOptions:
     def validate(self) -> None:
         if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise UsageError(
-                f"parallel sizes must be at least 1 (TP {self.tensor_parallel_size}, PP {self.pipeline_parallel_size})"
+                f"parallel sizes must be at least 1 (TP {shown_number(self.tensor_parallel_size)}, "
+                f"PP {shown_number(self.pipeline_parallel_size)})",
+                code="bad-option-value",
             )
+        check_parallel_sizes(self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.vllm_version is not None:
+            parse_version(self.vllm_version)  # before any I/O, not when the plan picks the layout row
         if self.max_part_size < 1:
             raise UsageError("--max-part-size must be positive")
         if self.dtype not in DTYPE_CHOICES:
@@ -387,6 +394,8 @@ class ShardResult:
 
 class ShardCheckFailed(VerificationFailed):
     """The files were written, but a post-write check failed (exit 1); `result` says which."""
+
+    code = "shard-check-failed"
 
     def __init__(self, result: ShardResult) -> None:
         reconstruction_ok = result.reconstruction is None or result.reconstruction.ok

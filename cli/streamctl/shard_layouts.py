@@ -225,14 +225,16 @@ LAYOUT_ROWS: tuple[LayoutRow, ...] = (
     ),
 )
 
-_RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")
+# At most 6 release numbers of at most 9 digits each: a 5,000-digit "version" is refused, not converted.
+_RELEASE = re.compile(r"^\s*v?(\d{1,9}(?:\.\d{1,9}){0,5})(?![\d.]*\d)", re.ASCII)
 
 
 def parse_version(text: str) -> Version:
     """The release numbers of a version string: '0.33.0+cu128' -> (0, 33, 0); UsageError when there are none."""
     match = _RELEASE.match(text)
     if match is None:
-        raise UsageError(f"invalid vLLM version {text!r}", hint="write it like 0.33.0")
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise UsageError(f"invalid vLLM version {shown!r}", hint="write it like 0.33.0", code="bad-option-value")
     return tuple(int(part) for part in match.group(1).split("."))
 
 

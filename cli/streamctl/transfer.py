@@ -37,6 +37,7 @@ from streamctl.errors import (
 from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, Selection, is_safe_relative_path, select_files
 from streamctl.locations import check_disjoint
 from streamctl.ownership import Cleanup, plan_cleanup, read_manifests, remove_files, written_by_streamctl
+from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
@@ -107,8 +108,7 @@ class TransferOptions:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     def validate(self) -> None:
-        if self.concurrency < 1:
-            raise UsageError("--concurrency must be at least 1")
+        check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
         if self.part_size < 1:
             raise UsageError("--part-size must be positive")
         if self.max_buffer < self.part_size:

@@ -94,9 +94,11 @@ from typing import Any, Literal
 from streamctl.errors import NotFoundError, UsageError
 from streamctl.fileset import SHARD_MANIFEST_NAME
 from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
+from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
+    PROBLEMS_KEPT_PER_CODE,
     HeaderProblem,
     ParsedHeader,
     decode_json_strictly,
@@ -127,7 +129,7 @@ MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidate
 MAX_INDEX_BYTES = 100_000_000
 MAX_CONFIG_BYTES = 10_000_000
 SHARD_INCOMPLETE_CODE = "shard-incomplete"
-FINDINGS_PER_CODE_AND_FILE = 25
+FINDINGS_PER_CODE_AND_FILE = PROBLEMS_KEPT_PER_CODE  # the header parser keeps as many and counts the rest
 MAX_RANKS_LISTED = 4096  # above TP x PP this, missing ranks are summed up in one finding
 # Any one of these is a usable tokenizer for vLLM; `vocab.json` needs `merges.txt` (checked apart).
 TOKENIZER_FILES = (
@@ -301,6 +303,13 @@ class _Findings:
             if self.counts[key] <= FINDINGS_PER_CODE_AND_FILE:
                 self.kept.append(Finding(severity, code, file, tensor, message))
 
+    def add_unkept(self, severity: Severity, code: str, file: str | None, count: int) -> None:
+        """Count `count` more findings that were dropped before they got here (the header parser's)."""
+        key = (code, file)
+        with self.lock:
+            self.counts[key] += count
+            self.severities.setdefault(key, severity)
+
     def error(self, code: str, file: str | None, message: str, tensor: str | None = None) -> None:
         self.add("error", code, file, tensor, message)
 
@@ -440,11 +449,8 @@ def _layout(
 
 
 def _check_options(options: VerifyOptions) -> None:
-    if options.concurrency < 1:
-        raise UsageError(f"concurrency must be at least 1, not {options.concurrency}")
-    for label, value in (("tensor", options.tensor_parallel_size), ("pipeline", options.pipeline_parallel_size)):
-        if value is not None and value < 1:
-            raise UsageError(f"{label} parallel size must be at least 1, not {value}")
+    check_count("--concurrency", options.concurrency, MAX_CONCURRENCY)
+    check_parallel_sizes(options.tensor_parallel_size, options.pipeline_parallel_size)
     if options.pattern is not None:
         pattern_fields(options.pattern)  # syntax errors are the caller's, not the checkpoint's
     sharded_only = [
@@ -625,6 +631,9 @@ def _report_shard(shard: _Shard, findings: _Findings) -> None:
     assert shard.header is not None
     for problem in shard.header.problems:
         findings.problem(shard.name, problem)
+    for code, count in shard.header.dropped.items():
+        severity = next(problem.severity for problem in shard.header.problems if problem.code == code)
+        findings.add_unkept(severity, code, shard.name, count)
     if shard.complete and not shard.header.tensors:
         findings.error("empty-shard", shard.name, "no tensors; the Run:ai streamer fails on a file without tensors")
 
@@ -638,14 +647,19 @@ def _tensor_locations(shards: Iterable[_Shard]) -> dict[str, list[str]]:
 
 
 def _check_tensor_in_two_shards(shards: Sequence[_Shard], findings: _Findings) -> None:
-    for tensor, files in _tensor_locations(shards).items():
-        for file in files[1:]:
-            findings.error(
-                "tensor-in-two-shards",
-                file,
-                f"also in {files[0]}; which copy is loaded is undefined",
-                printable(tensor),
-            )
+    if len(shards) < 2:
+        return  # twice in one header is the parser's duplicate-tensor
+    first_file: dict[str, str] = {}  # no list per name: a header may hold a million tensors
+    for shard in shards:
+        for tensor in shard.header.tensors if shard.header else ():
+            owner = first_file.setdefault(tensor.name, shard.name)
+            if owner is not shard.name:
+                findings.error(
+                    "tensor-in-two-shards",
+                    shard.name,
+                    f"also in {owner}; which copy is loaded is undefined",
+                    printable(tensor.name),
+                )
 
 
 def _unsafe_shard_name(name: str) -> str | None:

@@ -174,6 +174,8 @@ def command(
             raise VerificationFailed(
                 f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
                 hint="fix them (see the table above), or pass --no-preflight to launch anyway",
+                code="preflight-failed",
+                details=report.to_json(),  # the findings, as verify-index --json shows them
             )
         is_sharded = report.layout == "sharded"
         facts = CheckpointFacts(

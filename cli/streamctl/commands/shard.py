@@ -101,6 +101,7 @@ def command(
     Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
     """
     apply_output_flags(json_output, quiet, debug)
+    from streamctl.limits import MAX_OBJECT_SIZE
     from streamctl.memory import keep_freed_buffers_in_the_heap
     from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
@@ -111,7 +112,7 @@ def command(
         tensor_parallel_size=tensor_parallel_size,
         pipeline_parallel_size=pipeline_parallel_size,
         pattern=pattern,
-        max_part_size=parse_size(max_part_size, "--max-part-size"),
+        max_part_size=parse_size(max_part_size, "--max-part-size", MAX_OBJECT_SIZE),
         dtype=dtype.value,
         vllm_version=vllm_version,
         engine=engine.value,
@@ -132,7 +133,7 @@ def command(
             result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
     except ShardCheckFailed as failure:
         if output.settings.json:
-            output.print_json(failure.result.to_json())
+            failure.details = failure.result.to_json()  # printed with the error, as one document
         else:
             output.render_shard_checks(failure.result)
         raise

@@ -88,6 +88,7 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.k8s import k8s_name, to_yaml, transfer_job
+    from streamctl.limits import MAX_BUFFER, MAX_PART_SIZE
     from streamctl.memory import return_large_buffers_to_the_os
     from streamctl.sizes import parse_size
     from streamctl.storage import StorageOptions, open_destination, open_location
@@ -104,8 +105,8 @@ def command(
         exclude=tuple(exclude or ()),
         all_files=all_files,
         concurrency=concurrency,
-        part_size=parse_size(part_size, "--part-size"),
-        max_buffer=parse_size(max_buffer, "--max-buffer"),
+        part_size=parse_size(part_size, "--part-size", MAX_PART_SIZE),
+        max_buffer=parse_size(max_buffer, "--max-buffer", MAX_BUFFER),
         force=force,
     )
     options.validate()
@@ -166,6 +167,8 @@ def command(
     if output.settings.json:
         document = result.to_json()
         document["verify"] = report.to_json() if report else None
+        if report is not None and not report.ok:
+            document.update(ok=False, error=output.verify_document(report)["error"])
         output.print_json(document)
     else:
         output.render_transfer_result(result)

@@ -93,7 +93,7 @@ def command(
     with output.progress() as progress:
         report = verify_checkpoint(location, options, progress)
     if output.settings.json:
-        output.print_json(report.to_json())
+        output.print_json(output.verify_document(report, strict))
     else:
         output.render_verify_report(report)
     if not report.ok or (strict and report.warnings):
