@@ -863,7 +863,7 @@ def test_interrupt_aborts_every_upload_and_leaves_no_file(
         env, dest = {}, str(tmp_path / "tp2")
 
         def writing() -> bool:
-            return any((tmp_path / "tp2").glob(".*.streamctl-partial"))
+            return any((tmp_path / "tp2").glob(".streamctl-tmp/*/*"))
 
     process = subprocess.Popen(
         [sys.executable, "-m", "streamctl", "shard", str(tmp_path / "hf"), dest, "-tp", "2"],

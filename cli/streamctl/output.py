@@ -215,11 +215,16 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
         table.add_row(f"[{style}]{file.action}[/]", human_bytes(file.size), escape(file.path), escape(file.reason))
     for selection in plan.excluded:
         table.add_row("[yellow]leave out[/]", "", escape(selection.path), escape(selection.reason))
+    for note in plan.notes:
+        action = "[dim]link[/]" if note.listed else "[yellow]skip[/]"
+        table.add_row(action, "", escape(note.key), escape(note.reason))
     console.print(table)
     copying = sum(1 for file in plan.files if file.action == "copy")
+    skipped = sum(1 for note in plan.notes if not note.listed)
     console.print(
         f"{copying} of {len(plan.files)} files to copy ({human_bytes(plan.copy_bytes)} of "
-        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out",
+        f"{human_bytes(plan.total_bytes)}), {len(plan.excluded)} left out"
+        + (f", {skipped} skipped (not regular files, or links not followed)" if skipped else ""),
         highlight=False,
     )
 

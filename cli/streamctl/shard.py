@@ -56,7 +56,7 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import select_serving_files
+from streamctl.fileset import listing_notes, log_notes, notes_to_json, select_serving_files
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
@@ -89,7 +89,7 @@ from streamctl.sharded import (
     pattern_fields,
     validate_pattern,
 )
-from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
+from streamctl.storage.base import ListingNote, Location, MiB, MultipartUpload, ObjectInfo
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
 from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
@@ -317,6 +317,7 @@ class ShardResult:
     verify: VerifyReport
     reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
+    notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
 
     @property
     def ok(self) -> bool:
@@ -354,6 +355,7 @@ class ShardResult:
             "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
             "removed": list(self.removed),
             "discarded_uploads": list(self.discarded),
+            **notes_to_json(self.notes),
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
             "write_seconds": round(self.write_seconds, 3),
@@ -1740,6 +1742,8 @@ def shard_checkpoint(
         return shard_with_vllm(source, dest, options, progress, source_id)
     started = time.monotonic()
     plan = plan_shard(source, dest, options, source_id)
+    notes = listing_notes(source)
+    log_notes(notes, progress)
     if plan.dtype == "auto" and any(
         source_tensor.dtype == "F32"
         for stage in plan.stages
@@ -1767,6 +1771,7 @@ def shard_checkpoint(
         verify,
         reconstruction,
         discarded,
+        notes,
     )
     return _record(dest, result)
 
@@ -1876,6 +1881,8 @@ def shard_with_vllm(
     pattern = options.pattern or default_pattern(options.pipeline_parallel_size)
     validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
     listing = _list_source(source)
+    notes = listing_notes(source)
+    log_notes(notes, progress)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
     existing_stale = _check_dest(dest, source, set(), options.force)
     with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
@@ -1919,6 +1926,7 @@ def shard_with_vllm(
         verify,
         reconstruction,
         discarded,
+        notes,
     )
     return _record(dest, result)
 

@@ -34,10 +34,17 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.fileset import MANIFEST_NAME, Selection, is_safe_relative_path, select_files
+from streamctl.fileset import (
+    MANIFEST_NAME,
+    Selection,
+    is_safe_relative_path,
+    listing_notes,
+    notes_to_json,
+    select_files,
+)
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
+from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -65,6 +72,8 @@ class TransferPlan:
     commit: str | None
     files: tuple[FilePlan, ...]
     excluded: tuple[Selection, ...]
+    # Entries of a local SOURCE left out (FIFOs, devices, links not followed) or read through a link.
+    notes: tuple[ListingNote, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -84,6 +93,7 @@ class TransferPlan:
                 for f in self.files
             ],
             "excluded": [{"path": s.path, "reason": s.reason} for s in self.excluded],
+            **notes_to_json(self.notes),
             "total_bytes": self.total_bytes,
             "copy_bytes": self.copy_bytes,
         }
@@ -129,6 +139,7 @@ class TransferResult:
     bytes_copied: int
     seconds: float
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
+    notes: tuple[ListingNote, ...] = ()  # the plan's: SOURCE entries left out or read through a link
 
     @property
     def throughput_mb_s(self) -> float:
@@ -144,6 +155,7 @@ class TransferResult:
             "seconds": round(self.seconds, 3),
             "throughput_mb_s": round(self.throughput_mb_s, 2),
             "discarded_uploads": list(self.discarded),
+            **notes_to_json(self.notes),
         }
 
 
@@ -266,14 +278,31 @@ def _decide(
     return plan("copy", "checksum differs", sha256)
 
 
+def _refuse_linked_dest_folders(dest: Location, paths: list[str]) -> None:
+    """Refuse, before anything is written, a plan that would write below a symbolic link inside a local
+    DEST (the store refuses it too, at the first such write; a link at DEST itself is the user's choice)."""
+    links = {note.key for note in listing_notes(dest) if note.kind.startswith("symlink")}
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in links:
+                raise UsageError(
+                    f"{dest.store.url(dest.key(folder))} is a symbolic link; streamctl never writes through links inside DEST",
+                    hint="remove the link, or name the folder it points to as DEST",
+                )
+
+
 def plan_transfer(
     source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
 ) -> TransferPlan:
     """List both sides, choose the file set and decide copy or skip for each file. Writes nothing."""
     options.validate()
     listing = {source.relative(info.key): info for info in source.list()}
+    notes = listing_notes(source)
     if not listing:
-        raise NotFoundError(f"no files under {source.url}")
+        left_out = f" ({len(notes)} entries skipped: {notes[0].key}: {notes[0].reason})" if notes else ""
+        raise NotFoundError(f"no files under {source.url}{left_out}")
     unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
     if unsafe:
         raise UsageError(f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths")
@@ -298,6 +327,7 @@ def plan_transfer(
     existing = _list_dest(dest)
     if not options.force:
         _check_manifest(dest, existing, source_id, commit)
+    _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected])
     files = []
     for selection in selections:
         if not selection.selected:
@@ -310,7 +340,7 @@ def plan_transfer(
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     excluded = tuple(selection for selection in selections if not selection.selected)
-    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded)
+    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, notes)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -611,7 +641,7 @@ def execute_transfer(
     )
     write_manifest(dest, plan, results)
     return TransferResult(
-        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded
+        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, plan.notes
     )
 
 
