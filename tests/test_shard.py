@@ -907,8 +907,9 @@ def test_a_killed_runs_unfinished_uploads_are_discarded(
     assert [dest.relative(upload.key) for upload in left] == ["notes/someone-elses.bin"]
     if where == "local":
         assert_rank_matches(tmp_path / "out", config, hf, 2)
-        hidden = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob(".*"))
-        assert len(hidden) == 1 and hidden[0].startswith("notes/.someone-elses.bin.")
+        hidden = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob(".*/*/*"))
+        assert len(hidden) == 1 and hidden[0].startswith("notes/.streamctl-tmp/")
+        assert hidden[0].endswith("/someone-elses.bin")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -153,6 +153,15 @@ def listing_notes(location: Location) -> tuple[ListingNote, ...]:
     return tuple(dataclasses.replace(note, key=location.relative(note.key)) for note in location.notes())
 
 
+def skipped_because(location: Location, name: str) -> str:
+    """' (NAME is a FIFO, ...: skipped)' when the listing of `location` left `name` out, else ''."""
+    key = location.key(name)
+    for note in location.notes():
+        if note.key == key and not note.listed:
+            return f" ({name} is {note.reason})"
+    return ""
+
+
 def notes_to_json(notes: Sequence[ListingNote]) -> dict[str, list[dict[str, object]]]:
     return {
         "skipped": [note.to_json(note.key) for note in notes if not note.listed],

@@ -56,7 +56,7 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import listing_notes, log_notes, notes_to_json, select_serving_files
+from streamctl.fileset import listing_notes, log_notes, notes_to_json, select_serving_files, skipped_because
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
@@ -866,7 +866,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
     listing = _list_source(source)
     if CONFIG_NAME not in listing.sizes:
         _weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
-        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}")
+        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
     architecture, layout = _check_supported(config, row)
     dims = read_dims(config, layout, architecture)
@@ -1741,9 +1741,9 @@ def shard_checkpoint(
     if options.engine == "vllm":
         return shard_with_vllm(source, dest, options, progress, source_id)
     started = time.monotonic()
-    plan = plan_shard(source, dest, options, source_id)
     notes = listing_notes(source)
     log_notes(notes, progress)
+    plan = plan_shard(source, dest, options, source_id)
     if plan.dtype == "auto" and any(
         source_tensor.dtype == "F32"
         for stage in plan.stages
