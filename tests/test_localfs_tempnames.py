@@ -18,7 +18,8 @@ from cli_helpers import run_cli
 from streamctl.errors import RemoteError, UsageError
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage import open_location
-from streamctl.storage.base import TEMPORARY_FOLDER, parse_temporary_key, temporary_key
+
+TEMPORARY_FOLDER = ".streamctl-tmp"  # the documented reserved folder (storage/base.py TEMPORARY_FOLDER)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,6 +49,9 @@ def _write_tree(root: Path, files: dict[str, bytes]) -> None:
 
 
 def test_the_long_names_are_as_long_as_the_issue_says() -> None:
+    from streamctl.storage.base import TEMPORARY_FOLDER as reserved, parse_temporary_key, temporary_key
+
+    assert reserved == TEMPORARY_FOLDER
     assert len(LONG_ASCII.encode()) == 250 and len(LONG_UTF8_250.encode()) == 250
     # The temporary form keeps the name as its own segment: no segment grows.
     key = temporary_key(f"sub/{LONG_UTF8_250}", "0123456789abcdef")
