@@ -150,3 +150,17 @@ def test_cli_exits_2_at_once_when_a_source_name_cannot_exist_in_dest(
     assert "name too long" in result.stderr and "retry" not in result.stderr.lower()
     assert time.monotonic() - started < 60
     assert not any(path.name == too_long for path in (tmp_path / "dest").rglob("*"))
+
+
+def test_a_source_holding_the_temporary_shape_is_told_so_not_silently_trimmed(tmp_path: Path) -> None:
+    """A file in the exact reserved shape is another run's upload in flight (or a killed one's): never
+    copied as data, and shown in the plan as what it is."""
+    source = tmp_path / "src"
+    in_flight = f"{TEMPORARY_FOLDER}/0123456789abcdef/model.safetensors"
+    _write_tree(source, {"config.json": b"{}", in_flight: b"half a file"})
+
+    plan = run_cli("transfer", str(source), str(tmp_path / "dest"), "--all-files", "--dry-run", "--json")
+
+    assert plan.exit_code == 0, plan.stderr
+    assert [file["path"] for file in plan.json()["files"]] == ["config.json"]
+    assert [(entry["path"], entry["kind"]) for entry in plan.json()["skipped"]] == [(in_flight, "temporary")]
