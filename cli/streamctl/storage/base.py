@@ -97,6 +97,9 @@ class UnfinishedUpload:
 
 
 class Store(Protocol):
+    """Also, optionally: `notes(prefix) -> list[ListingNote]`, what `list(prefix)` left out or listed
+    through a link (local folders only; read it through `Location.notes()`)."""
+
     scheme: str
     bucket: str
     # Smallest part size a multipart upload accepts (except the last part), and the most parts.
