@@ -19,18 +19,18 @@ _streamctl() {
                 --engine) COMPREPLY=($(compgen -W "offline vllm" -- "$cur")); return ;;
                 --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--token|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --force --token --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --force --follow-symlinks --token --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         transfer)
             case "$prev" in
                 --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;
                 --revision|--include|--exclude|--concurrency|-j|--part-size|--max-buffer|--token|--namespace|--service-account|--secret|--image|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--revision --repo-type --include --exclude --all-files --concurrency -j --part-size --max-buffer --token --dry-run --force --verify --no-verify --k8s-job --namespace --service-account --secret --image --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--revision --repo-type --include --exclude --all-files --follow-symlinks --concurrency -j --part-size --max-buffer --token --dry-run --force --verify --no-verify --k8s-job --namespace --service-account --secret --image --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         verify-index)
             case "$prev" in
                 --index|--expect|--tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--concurrency|-j|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--index --expect --sharded --not-sharded --tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --strict --concurrency -j --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--index --expect --sharded --not-sharded --tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --strict --concurrency -j --follow-symlinks --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
     esac
     if [[ "$cur" == -* || -z "$cmd" ]]; then
         COMPREPLY=($(compgen -W "$opts" -- "$cur"))

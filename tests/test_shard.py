@@ -864,7 +864,7 @@ def test_interrupt_aborts_every_upload_and_leaves_no_file(
         env, dest = {}, str(tmp_path / "tp2")
 
         def writing() -> bool:
-            return any((tmp_path / "tp2").glob(".*.streamctl-partial"))
+            return any((tmp_path / "tp2").glob(".streamctl-tmp/*/*"))
 
     process = subprocess.Popen(
         [sys.executable, "-m", "streamctl", "shard", str(tmp_path / "hf"), dest, "-tp", "2"],
@@ -908,8 +908,9 @@ def test_a_killed_runs_unfinished_uploads_are_discarded(
     assert [dest.relative(upload.key) for upload in left] == ["notes/someone-elses.bin"]
     if where == "local":
         assert_rank_matches(tmp_path / "out", config, hf, 2)
-        hidden = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob(".*"))
-        assert len(hidden) == 1 and hidden[0].startswith("notes/.someone-elses.bin.")
+        hidden = sorted(path.relative_to(tmp_path / "out").as_posix() for path in (tmp_path / "out").rglob(".*/*/*"))
+        assert len(hidden) == 1 and hidden[0].startswith("notes/.streamctl-tmp/")
+        assert hidden[0].endswith("/someone-elses.bin")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,10 +5,14 @@ One classification serves `transfer` (the default file set) and `shard` (the non
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import posixpath
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from streamctl.progress import Progress
+from streamctl.storage.base import ListingNote, Location
 
 MANIFEST_NAME = "streamctl-manifest.json"  # written by `transfer`
 SHARD_MANIFEST_NAME = "streamctl-shard-manifest.json"  # written by `shard`; `"complete": false` until it ends
@@ -139,3 +143,36 @@ def select_serving_files(paths: Iterable[str], *, has_auto_map: bool) -> list[st
         and not selection.path.endswith((".safetensors", ".safetensors.index.json"))
         and not selection.path.startswith("streamctl-")
     ]
+
+
+NOTES_LOGGED = 10  # notes shown one a line in progress logs; the rest are counted (JSON keeps them all)
+
+
+def listing_notes(location: Location) -> tuple[ListingNote, ...]:
+    """What a listing of `location` left out (special files, links not followed) or read through a link,
+    keyed by path relative to it, for plans, results and findings."""
+    return tuple(dataclasses.replace(note, key=location.relative(note.key)) for note in location.notes())
+
+
+def skipped_because(location: Location, name: str) -> str:
+    """' (NAME is a FIFO, ...: skipped)' when the listing of `location` left `name` out, else ''."""
+    key = location.key(name)
+    for note in location.notes():
+        if note.key == key and not note.listed:
+            return f" ({name} is {note.reason})"
+    return ""
+
+
+def notes_to_json(notes: Sequence[ListingNote]) -> dict[str, list[dict[str, object]]]:
+    return {
+        "skipped": [note.to_json(note.key) for note in notes if not note.listed],
+        "symlinks": [note.to_json(note.key) for note in notes if note.listed],
+    }
+
+
+def log_notes(notes: Sequence[ListingNote], progress: Progress, where: str = "SOURCE") -> None:
+    """One progress line per note left out (and links followed), for verbs that print no plan."""
+    for note in notes[:NOTES_LOGGED]:
+        progress.log(f"{'read through a link' if note.listed else 'skipped'} in {where}: {note.key}: {note.reason}")
+    if len(notes) > NOTES_LOGGED:
+        progress.log(f"... and {len(notes) - NOTES_LOGGED} more entries of {where} skipped or read through links")

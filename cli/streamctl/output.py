@@ -381,6 +381,8 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
     if len(plan.cleanup.left_alone) > len(shown_left):
         more = len(plan.cleanup.left_alone) - len(shown_left)
         rows.append([_text("leave alone", "dim"), _text(""), _text(f"... and {more:,} more"), _text("in DEST (see --json)")])
+    rows += [[_text("link" if note.listed else "skip", "dim" if note.listed else "yellow"), _text(""), _text(note.key),
+              _text(note.reason)] for note in plan.notes]  # fmt: skip
     columns = [Column("action"), Column("size", right=True), Column("file"), Column("reason", wraps=True)]
     # A Hub source is pinned to the commit its revision resolved to; a folder or bucket has none to show.
     title = f"{plan.source} -> {plan.dest}" + (f" @ {plan.commit}" if plan.commit else "")
@@ -390,6 +392,10 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
         f"{copying:,} of {plural(len(plan.files), 'file')} to copy", f"({human_bytes(plan.copy_bytes)} of",
         f"{human_bytes(plan.total_bytes)}),", f"{len(plan.excluded):,} left out",
     ]  # fmt: skip
+    skipped = sum(1 for note in plan.notes if not note.listed)
+    if skipped:
+        phrases[-1] += ","
+        phrases.append(f"{skipped:,} skipped (not regular files, or links not followed)")
     if plan.cleanup.to_remove:
         phrases[-1] += ","
         phrases.append(f"{len(plan.cleanup.to_remove):,} in DEST to remove after copying")

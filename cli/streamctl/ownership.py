@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamctl.errors import StreamctlError
-from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, is_safe_relative_path
+from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, is_safe_relative_path, listing_notes
 from streamctl.progress import Progress
 from streamctl.storage.base import Location
 
@@ -119,6 +119,12 @@ def written_by_streamctl(manifests: Mapping[str, Mapping[str, Any] | None], exis
         except StreamctlError:
             continue  # a pattern this version cannot parse names nothing
     return ours
+
+
+def unfollowed_links(dest: Location) -> list[str]:
+    """Links in a local DEST that its listing did not follow (they point outside it, dangle or loop): a
+    manifest may name one, and removing a link never touches what it points to."""
+    return [note.key for note in listing_notes(dest) if note.kind.startswith("symlink") and not note.listed]
 
 
 def plan_cleanup(

@@ -63,7 +63,14 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import SHARD_MANIFEST_NAME, select_serving_files
+from streamctl.fileset import (
+    SHARD_MANIFEST_NAME,
+    listing_notes,
+    log_notes,
+    notes_to_json,
+    select_serving_files,
+    skipped_because,
+)
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.locations import check_disjoint
 from streamctl.ownership import (
@@ -73,6 +80,7 @@ from streamctl.ownership import (
     read_manifests,
     remove_files,
     shard_run_incomplete,
+    unfollowed_links,
     written_by_streamctl,
 )
 from streamctl.limits import check_parallel_sizes, shown_number
@@ -108,7 +116,7 @@ from streamctl.sharded import (
     pattern_fields,
     validate_pattern,
 )
-from streamctl.storage.base import Location, MiB, MultipartUpload, ObjectInfo
+from streamctl.storage.base import ListingNote, Location, MiB, MultipartUpload, ObjectInfo
 from streamctl.words import plural
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
@@ -343,6 +351,7 @@ class ShardResult:
     verify: VerifyReport
     reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
+    notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
 
     @property
     def ok(self) -> bool:
@@ -381,6 +390,7 @@ class ShardResult:
             "removed": list(self.removed),
             "left_alone": [item.to_json() for item in self.plan.left_alone],
             "discarded_uploads": list(self.discarded),
+            **notes_to_json(self.notes),
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
             "write_seconds": round(self.write_seconds, 3),
@@ -844,7 +854,8 @@ def _check_dest(dest: Location, pattern: str, writes: set[str], force: bool) -> 
     a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
     existing = _list_dest(dest)
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
-    written_before = written_by_streamctl(manifests, existing)
+    candidates = [*existing, *unfollowed_links(dest)]
+    written_before = written_by_streamctl(manifests, candidates)
     from streamctl.sharded import parse_sharded_name
 
     def own_output(name: str) -> bool:
@@ -861,7 +872,7 @@ def _check_dest(dest: Location, pattern: str, writes: set[str], force: bool) -> 
                 else "choose an empty destination, or pass --force to replace what streamctl wrote there"
             ),
         )
-    return plan_cleanup(existing, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
+    return plan_cleanup(candidates, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
 
 
 def _looks_interrupted(
@@ -898,7 +909,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
     listing = _list_source(source)
     if CONFIG_NAME not in listing.sizes:
         _weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
-        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}")
+        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
     architecture, layout = _check_supported(config, row)
     dims = read_dims(config, layout, architecture)
@@ -1856,6 +1867,8 @@ def shard_checkpoint(
     if options.engine == "vllm":
         return shard_with_vllm(source, dest, options, progress, source_id)
     started = time.monotonic()
+    notes = listing_notes(source)
+    log_notes(notes, progress)
     plan = plan_shard(source, dest, options, source_id)
     if plan.dtype == "auto" and any(
         source_tensor.dtype == "F32"
@@ -1888,6 +1901,7 @@ def shard_checkpoint(
         verify,
         reconstruction,
         discarded,
+        notes,
     )
     return _record(dest, result)
 
@@ -1998,6 +2012,8 @@ def shard_with_vllm(
     pattern = options.pattern or default_pattern(options.pipeline_parallel_size)
     validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
     listing = _list_source(source)
+    notes = listing_notes(source)
+    log_notes(notes, progress)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
     serving = _serving_files(listing, config)
     cleanup = _check_dest(dest, pattern, {path for path, _ in serving}, options.force)
@@ -2043,6 +2059,7 @@ def shard_with_vllm(
         verify,
         reconstruction,
         discarded,
+        notes,
     )
     return _record(dest, result)
 

@@ -34,13 +34,28 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, Selection, is_safe_relative_path, select_files
-from streamctl.locations import check_disjoint
-from streamctl.ownership import Cleanup, plan_cleanup, read_manifests, remove_files, written_by_streamctl
+from streamctl.fileset import (
+    MANIFEST_NAME,
+    SHARD_MANIFEST_NAME,
+    Selection,
+    is_safe_relative_path,
+    listing_notes,
+    notes_to_json,
+    select_files,
+)
 from streamctl.limits import MAX_CONCURRENCY, check_count
+from streamctl.locations import check_disjoint
+from streamctl.ownership import (
+    Cleanup,
+    plan_cleanup,
+    read_manifests,
+    remove_files,
+    unfollowed_links,
+    written_by_streamctl,
+)
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.storage.base import MiB, Location, MultipartUpload, ObjectInfo
+from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -70,6 +85,8 @@ class TransferPlan:
     excluded: tuple[Selection, ...]
     # DEST files besides the plan's: what --force removes once the new files are complete, what stays.
     cleanup: Cleanup = field(default_factory=Cleanup)
+    # Entries of a local SOURCE left out (FIFOs, devices, links not followed) or read through a link.
+    notes: tuple[ListingNote, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -91,6 +108,7 @@ class TransferPlan:
             "excluded": [{"path": s.path, "reason": s.reason} for s in self.excluded],
             "to_remove": list(self.cleanup.to_remove),
             "left_alone": [item.to_json() for item in self.cleanup.left_alone],
+            **notes_to_json(self.notes),
             "total_bytes": self.total_bytes,
             "copy_bytes": self.copy_bytes,
         }
@@ -136,6 +154,7 @@ class TransferResult:
     seconds: float
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
     removed: tuple[str, ...] = ()  # files of an earlier streamctl run that --force removed (plan.cleanup.to_remove)
+    notes: tuple[ListingNote, ...] = ()  # the plan's: SOURCE entries left out or read through a link
 
     @property
     def throughput_mb_s(self) -> float:
@@ -152,6 +171,7 @@ class TransferResult:
             "throughput_mb_s": round(self.throughput_mb_s, 2),
             "discarded_uploads": list(self.discarded),
             "removed": list(self.removed),
+            **notes_to_json(self.notes),
         }
 
 
@@ -285,6 +305,21 @@ def _decide(
     return plan("copy", "checksum differs", sha256)
 
 
+def _refuse_linked_dest_folders(dest: Location, paths: list[str]) -> None:
+    """Refuse, before anything is written, a plan that would write below a symbolic link inside a local
+    DEST (the store refuses it too, at the first such write; a link at DEST itself is the user's choice)."""
+    links = {note.key for note in listing_notes(dest) if note.kind.startswith("symlink")}
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            folder = "/".join(parts[:depth])
+            if folder in links:
+                raise UsageError(
+                    f"{dest.store.url(dest.key(folder))} is a symbolic link; streamctl never writes through links inside DEST",
+                    hint="remove the link, or name the folder it points to as DEST",
+                )
+
+
 def plan_transfer(
     source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
 ) -> TransferPlan:
@@ -293,8 +328,10 @@ def plan_transfer(
     options.validate()
     check_disjoint(source, dest)
     listing = {source.relative(info.key): info for info in source.list()}
+    notes = listing_notes(source)
     if not listing:
-        raise NotFoundError(f"no files under {source.url}")
+        left_out = f" ({len(notes)} entries skipped: {notes[0].key}: {notes[0].reason})" if notes else ""
+        raise NotFoundError(f"no files under {source.url}{left_out}")
     unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
     if unsafe:
         raise UsageError(f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths")
@@ -320,6 +357,7 @@ def plan_transfer(
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
+    _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected])
     files = []
     for selection in selections:
         if not selection.selected:
@@ -333,9 +371,10 @@ def plan_transfer(
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
-    written_before = written_by_streamctl(manifests, existing)
-    cleanup = plan_cleanup(existing, writes, written_before, lambda name: False, options.force)
-    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup)
+    candidates = [*existing, *unfollowed_links(dest)]
+    written_before = written_by_streamctl(manifests, candidates)
+    cleanup = plan_cleanup(candidates, writes, written_before, lambda name: False, options.force)
+    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -641,7 +680,7 @@ def execute_transfer(
     removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
     write_manifest(dest, plan, results)
     return TransferResult(
-        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed
+        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
     )
 
 

@@ -60,6 +60,7 @@ Finding codes
 | `config-invalid` | error | `config.json` is not a UTF-8 JSON object |
 | `tokenizer-missing` | warning | no tokenizer (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
 | `remote-code-missing` | warning | `auto_map` in `config.json` names a `.py` file that is not there |
+| `entry-skipped` | warning | a FIFO, socket, device, or a symbolic link that dangles, loops or leads out of the folder: not read (local folders) |
 | `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up |
 | `expect-violated` | error | a tensor matching an `--expect` GLOB lives outside its FILEs |
 | `expect-no-match` | error | an `--expect` GLOB matches no tensor |
@@ -95,6 +96,7 @@ from streamctl.errors import NotFoundError, UsageError
 from streamctl.fileset import SHARD_MANIFEST_NAME
 from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
 from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
+from streamctl.fileset import listing_notes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -364,6 +366,9 @@ def verify_checkpoint(
         raise _no_safetensors(location, listing)
 
     findings = _Findings()
+    for note in listing_notes(location):
+        if not note.listed:
+            findings.warning("entry-skipped", note.key, note.reason)
     reads = _Reads()
     sharded_pattern, index_name, layout = _layout(options, listing, safetensors_names)
 

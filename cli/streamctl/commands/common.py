@@ -43,6 +43,17 @@ AzureAccountOption = Annotated[
     ),
 ]
 
+FollowSymlinksOption = Annotated[
+    bool,
+    typer.Option(
+        "--follow-symlinks",
+        help=(
+            "Also read symbolic links in a local folder that lead outside it (a Hugging Face cache snapshot's "
+            "do); by default they are skipped and reported. Nothing is ever written through a link."
+        ),
+    ),
+]
+
 HfTokenOption = Annotated[
     Optional[str],
     typer.Option("--token", metavar="TOKEN", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),

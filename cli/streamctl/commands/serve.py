@@ -150,8 +150,13 @@ def command(
             hint="drop --no-preflight",
         )
     environ = dict(os.environ)
+    # The pre-flight reads what vLLM will: vLLM opens a local folder's links wherever they lead (a Hugging
+    # Face cache snapshot is all links), so they are followed here too; FIFOs and devices are still refused.
     location = open_location(
-        options.model, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+        options.model,
+        StorageOptions(
+            endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, follow_symlinks=True
+        ),
     )
     facts = None
     report = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from enum import Enum
 from typing import Annotated, Optional
 
@@ -12,6 +13,7 @@ from streamctl import output
 from streamctl.commands.common import (
     AzureAccountOption,
     DebugOption,
+    FollowSymlinksOption,
     HfTokenOption,
     EndpointOption,
     JsonOption,
@@ -83,6 +85,7 @@ def command(
         bool,
         typer.Option("--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."),
     ] = False,
+    follow_symlinks: FollowSymlinksOption = False,
     token: HfTokenOption = None,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
@@ -126,7 +129,7 @@ def command(
     storage = StorageOptions(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
     )
-    source_location = open_location(source_url, storage)
+    source_location = open_location(source_url, replace(storage, follow_symlinks=follow_symlinks))
     dest_location = open_destination(dest, storage)
     try:
         with output.progress(byte_counts=True) as progress:

@@ -11,6 +11,7 @@ from streamctl import output
 from streamctl.commands.common import (
     AzureAccountOption,
     DebugOption,
+    FollowSymlinksOption,
     HfTokenOption,
     EndpointOption,
     JsonOption,
@@ -45,6 +46,7 @@ def command(
         Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave out matching files (repeatable).")
     ] = None,
     all_files: Annotated[bool, typer.Option("--all-files", help="Copy every file, not just what vLLM needs.")] = False,
+    follow_symlinks: FollowSymlinksOption = False,
     concurrency: Annotated[
         int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel parts in flight.")
     ] = 16,
@@ -120,7 +122,7 @@ def command(
         arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
         arguments += [f"--revision={revision}"] if revision else []
         arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
-        arguments += ["--all-files"] * all_files + ["--force"] * force + ["--no-verify"] * (not verify)
+        arguments += ["--all-files"] * all_files + ["--follow-symlinks"] * follow_symlinks + ["--force"] * force + ["--no-verify"] * (not verify)
         arguments += [f"--endpoint-url={endpoint_url}"] if endpoint_url else []
         arguments += ["--path-style"] if path_style else []
         arguments += [f"--azure-account={azure_account}"] if azure_account else []
@@ -145,7 +147,14 @@ def command(
     return_large_buffers_to_the_os()
     storage = dict(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
     source_location = open_location(
-        source_url, StorageOptions(hf_token=token, hf_revision=revision, hf_repo_type=repo_type.value if repo_type else None, **storage)
+        source_url,
+        StorageOptions(
+            hf_token=token,
+            hf_revision=revision,
+            hf_repo_type=repo_type.value if repo_type else None,
+            follow_symlinks=follow_symlinks,
+            **storage,
+        ),
     )
     dest_location = open_destination(dest, StorageOptions(**storage))
     plan = plan_transfer(source_location, dest_location, source_identity(source_location), options)

@@ -11,6 +11,7 @@ from streamctl.commands.common import (
     AzureAccountOption,
     DebugOption,
     EndpointOption,
+    FollowSymlinksOption,
     JsonOption,
     PathStyleOption,
     QuietOption,
@@ -59,6 +60,7 @@ def command(
     ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
     concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel header reads.")] = 16,
+    follow_symlinks: FollowSymlinksOption = False,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
     azure_account: AzureAccountOption = None,
@@ -79,7 +81,13 @@ def command(
     check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())
     location = open_location(
-        checkpoint, StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
+        checkpoint,
+        StorageOptions(
+            endpoint_url=endpoint_url,
+            path_style=path_style,
+            azure_account=azure_account,
+            follow_symlinks=follow_symlinks,
+        ),
     )
     options = VerifyOptions(
         index_name=index,

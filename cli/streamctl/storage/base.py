@@ -7,11 +7,54 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 MiB = 1024 * 1024
+
+# Temporary names, one form for every backend that makes them (local files, GCS part objects): the bytes
+# of an upload of `DIR/NAME` live under `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds
+# `/PART`), TOKEN being 16 random hex digits. The final name stays one whole path segment of its own, so
+# any name that fits the destination also fits as a temporary name (a 250-byte name is 250 bytes there
+# too), and the name a killed upload was meant to get is read back from the path, no side record needed.
+# Only that exact shape is temporary: `list()` hides it and `unfinished_uploads()` discards it; anything
+# else (a source's `.NAME.HEX.streamctl-partial`, a plain `.streamctl-tmp/notes.txt`) is data.
+TEMPORARY_FOLDER = ".streamctl-tmp"
+_TOKEN = re.compile(r"[0-9a-f]{16}")
+
+
+def new_temporary_token() -> str:
+    return os.urandom(8).hex()
+
+
+def temporary_key(key: str, token: str) -> str:
+    """Where the bytes of an upload of `key` live until it completes (see TEMPORARY_FOLDER)."""
+    parent, _, name = key.rpartition("/")
+    return f"{parent}/{TEMPORARY_FOLDER}/{token}/{name}" if parent else f"{TEMPORARY_FOLDER}/{token}/{name}"
+
+
+@dataclass(frozen=True)
+class TemporaryName:
+    final_key: str  # the object the upload was meant to become
+    token: str
+    folder: str  # the upload's own folder, `DIR/.streamctl-tmp/TOKEN` (or without `DIR/` at the root)
+
+
+def parse_temporary_key(key: str, tail_segments: int = 0) -> TemporaryName | None:
+    """The upload a temporary key belongs to, or None when `key` is not of that shape. `tail_segments` is
+    how many segments a backend adds after the name (0 locally, 1 for GCS part objects)."""
+    parts = key.split("/")
+    at = len(parts) - 3 - tail_segments
+    if at < 0 or parts[at] != TEMPORARY_FOLDER or not _TOKEN.fullmatch(parts[at + 1]) or not parts[at + 2]:
+        return None
+    if any(not part for part in parts[at + 3 :]):
+        return None
+    parent = "/".join(parts[:at])
+    final_key = f"{parent}/{parts[at + 2]}" if parent else parts[at + 2]
+    return TemporaryName(final_key, parts[at + 1], "/".join(parts[: at + 2]))
 
 
 @dataclass(frozen=True)
@@ -54,6 +97,9 @@ class UnfinishedUpload:
 
 
 class Store(Protocol):
+    """Also, optionally: `notes(prefix) -> list[ListingNote]`, what `list(prefix)` left out or listed
+    through a link (local folders only; read it through `Location.notes()`)."""
+
     scheme: str
     bucket: str
     # Smallest part size a multipart upload accepts (except the last part), and the most parts.
@@ -98,6 +144,23 @@ class Store(Protocol):
 
 
 @dataclass(frozen=True)
+class ListingNote:
+    """Something a listing met that the user should hear about: what it left out because streamctl may not
+    read it (a FIFO, socket, device, a symbolic link that dangles, loops or leads out of the folder listed,
+    a temporary file of a run writing there), or a symbolic link it listed files through. Only local
+    folders have them (see LocalStore.notes)."""
+
+    key: str
+    kind: str  # "fifo", "socket", "char-device", "block-device", "symlink", "symlink-outside", ...
+    reason: str  # one line for the user
+    listed: bool = False  # True: a link followed (its files are listed); False: left out
+    target: str | None = None  # where a link leads
+
+    def to_json(self, path: str) -> dict[str, object]:
+        return {"path": path, "kind": self.kind, "target": self.target, "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class StorageOptions:
     """Per-invocation settings that the URL alone does not carry."""
 
@@ -109,6 +172,8 @@ class StorageOptions:
     hf_repo_type: str | None = None  # "model" (default) or "dataset"
     # Retries per request inside each SDK; tests turn this down to keep failures fast.
     max_attempts: int = 5
+    # Local folders: also read symbolic links that lead outside the folder named (never when writing).
+    follow_symlinks: bool = False
 
 
 @dataclass(frozen=True)
@@ -132,3 +197,9 @@ class Location:
     def list(self) -> Iterator[ObjectInfo]:
         """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded)."""
         return self.store.list(f"{self.prefix}/" if self.prefix else "")
+
+    def notes(self) -> tuple[ListingNote, ...]:
+        """What `list()` left out of this location or listed through a link, for the user to hear about;
+        empty for stores that have no such things (every store but local folders)."""
+        notes = getattr(self.store, "notes", None)
+        return tuple(notes(f"{self.prefix}/" if self.prefix else "")) if notes is not None else ()

@@ -5,11 +5,12 @@ client talks to the emulator with anonymous credentials and a project from GOOGL
 
 Multipart uploads: the SDK's parallel upload path (XML multipart, `transfer_manager.upload_chunks_concurrently`)
 is not served by the emulator, so parts are uploaded as temporary objects under
-`{key}.streamctl-parts/{upload_id}/` (never under the final name) and joined with `compose`. Compose takes at
+`DIR/.streamctl-tmp/{upload_id}/NAME/` (the one temporary form of storage/base.py; never under the final
+name) and joined with `compose`. Compose takes at
 most 32 sources per call, so larger uploads are composed as a tree, each level in parallel, into temporary
 intermediates; only the last compose writes the final key, with its metadata, so nothing is visible under the
-key until `complete()` returns. Temporary objects are then deleted; `list()` hides that naming pattern so an
-upload in flight (or one left behind by a crash) never shows up as data.
+key until `complete()` returns. Temporary objects are then deleted; `list()` hides exactly that shape so an
+upload in flight (or one left behind by a crash) never shows up as data, and no other name is hidden.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import itertools
 import os
 import threading
-import uuid
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +47,14 @@ from streamctl.storage._errors import (
     resolve_not_found,
     to_error,
 )
-from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload
+from streamctl.storage.base import (
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    new_temporary_token,
+    parse_temporary_key,
+    temporary_key,
+)
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -67,7 +74,6 @@ HINTS = ServiceHints(
     network="check the network (and STORAGE_EMULATOR_HOST if you use an emulator)",
 )
 
-PARTS_MARKER = ".streamctl-parts/"
 COMPOSE_LIMIT = 32  # sources per compose request
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_EMULATOR_PROJECT = "streamctl-emulator"
@@ -124,7 +130,8 @@ def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> Streamc
 
 
 def is_temporary(name: str) -> bool:
-    return PARTS_MARKER in name
+    """A part or intermediate object of an upload: `DIR/.streamctl-tmp/TOKEN/NAME/PART`."""
+    return parse_temporary_key(name, tail_segments=1) is not None
 
 
 def _emulator_endpoint(environ: Mapping[str, str]) -> str | None:
@@ -170,7 +177,7 @@ class GCSMultipartUpload:
 
     @property
     def temporary_prefix(self) -> str:
-        return f"{self.key}{PARTS_MARKER}{self.upload_id}/"
+        return temporary_key(self.key, self.upload_id) + "/"
 
     def part_name(self, index: int) -> str:
         return f"{self.temporary_prefix}{index:05d}"
@@ -393,7 +400,7 @@ class GCSStore:
         self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
     ) -> GCSMultipartUpload:
         # Nothing to create on the server: parts are independent objects until complete() composes them.
-        return GCSMultipartUpload(self, key, part_size, uuid.uuid4().hex[:16], lower_keys(metadata))
+        return GCSMultipartUpload(self, key, part_size, new_temporary_token(), lower_keys(metadata))
 
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
@@ -406,11 +413,12 @@ class GCSStore:
     def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
         """Part objects of uploads that were never composed (billed like any object until deleted)."""
         stored: dict[tuple[str, str], int] = {}
-        for blob in self._list_raw(prefix, Op.LIST):
-            if is_temporary(blob.name):
-                key, _, rest = blob.name.partition(PARTS_MARKER)
-                upload_id = rest.partition("/")[0]
-                stored[(key, upload_id)] = stored.get((key, upload_id), 0) + int(blob.size or 0)
+        base_dir, separator, _ = prefix.rpartition("/")  # the part objects sit beside the name, not under it
+        for blob in self._list_raw(base_dir + separator, Op.LIST):
+            temporary = parse_temporary_key(blob.name, tail_segments=1)
+            if temporary is not None and temporary.final_key.startswith(prefix):
+                upload = (temporary.final_key, temporary.token)
+                stored[upload] = stored.get(upload, 0) + int(blob.size or 0)
         return [
             UnfinishedUpload(key, size, GCSMultipartUpload(self, key, 0, upload_id, {}).abort)
             for (key, upload_id), size in sorted(stored.items())
