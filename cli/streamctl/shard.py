@@ -83,6 +83,7 @@ from streamctl.shard_layouts import (
     installed_vllm_version,
     layout_row,
 )
+from streamctl.lease import Lease, hold_lease
 from streamctl.sharded import (
     default_pattern,
     format_name,
@@ -902,9 +903,11 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
     )
-    output_names = {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
-    stale = _check_dest(dest, source, output_names, options.force)
-    return replace(plan, stale=stale)
+    return replace(plan, stale=_check_dest(dest, source, _output_names(plan), options.force))
+
+
+def _output_names(plan: ShardPlan) -> set[str]:
+    return {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
 
 
 # =============================================================================================== casting
@@ -1750,7 +1753,24 @@ def shard_checkpoint(
             "note: the checkpoint has float32 weights; vLLM serves those as bfloat16/float16 with --dtype auto, "
             "so consider --dtype"
         )
-    discarded = discard_unfinished_uploads(dest, partial(_ours, plan.pattern, plan.serving_files), progress)
+    with hold_lease(dest, f"streamctl shard {plan.source} {plan.dest}", progress) as lease:
+        # Planning ran before the lease: another run may have written here since.
+        plan = replace(plan, stale=_check_dest(dest, source, _output_names(plan), options.force))
+        return _shard_offline(source, dest, options, progress, plan, started, lease)
+
+
+def _shard_offline(
+    source: Location,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress,
+    plan: ShardPlan,
+    started: float,
+    lease: Lease,
+) -> ShardResult:
+    discarded = discard_unfinished_uploads(
+        dest, partial(_ours, plan.pattern, plan.serving_files), progress, lease.acquired_at
+    )
     files, bytes_written = write_sharded(plan, source, dest, options, progress)
     write_seconds = time.monotonic() - started
     removed = remove_stale(dest, plan.stale, progress)
@@ -1768,7 +1788,7 @@ def shard_checkpoint(
         reconstruction,
         discarded,
     )
-    return _record(dest, result)
+    return _record(dest, result, lease)
 
 
 def _copy_and_check(
@@ -1793,10 +1813,11 @@ def _copy_and_check(
     return copied, verify, reconstruction
 
 
-def _record(dest: Location, result: ShardResult) -> ShardResult:
+def _record(dest: Location, result: ShardResult, lease: Lease) -> ShardResult:
     """The manifest, once both checks passed; ShardCheckFailed (exit 1, no manifest) otherwise."""
     if not result.ok:
         raise ShardCheckFailed(result)
+    lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
     write_manifest(dest, result)
     return result
 
@@ -1877,7 +1898,27 @@ def shard_with_vllm(
     validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
     listing = _list_source(source)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
-    existing_stale = _check_dest(dest, source, set(), options.force)
+    with hold_lease(dest, f"streamctl shard {source_id or source.url} {dest.url}", progress) as lease:
+        return _shard_with_vllm_leased(
+            source, dest, options, progress, source_id, runner, started, version, pattern, listing, config, lease
+        )
+
+
+def _shard_with_vllm_leased(
+    source: Location,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress,
+    source_id: str | None,
+    runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None,
+    started: float,
+    version: str | None,
+    pattern: str,
+    listing: _SourceListing,
+    config: dict[str, Any],
+    lease: Lease,
+) -> ShardResult:
+    existing_stale = _check_dest(dest, source, set(), options.force)  # under the lease: nobody writes meanwhile
     with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
         arguments = {
             "model": source.url,
@@ -1898,7 +1939,7 @@ def shard_with_vllm(
 
         saved = open_location(folder)
         serving = _serving_files(listing, config)
-        discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
+        discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress, lease.acquired_at)
         files = _copy_saved_files(saved, dest, pattern, options, progress)
     write_seconds = time.monotonic() - started
     architecture = str((config.get("architectures") or ["?"])[0])
@@ -1920,7 +1961,7 @@ def shard_with_vllm(
         reconstruction,
         discarded,
     )
-    return _record(dest, result)
+    return _record(dest, result, lease)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:

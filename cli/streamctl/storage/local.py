@@ -8,17 +8,26 @@ system supports them (elsewhere it is dropped and callers fall back to hashing t
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
 from streamctl._libc import start_writeback
-from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.errors import (
+    AccessDeniedError,
+    NotFoundError,
+    PreconditionFailed,
+    RemoteError,
+    StreamctlError,
+    UsageError,
+)
 from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
@@ -78,6 +87,47 @@ def _unlink(path: Path) -> None:
         path.unlink(missing_ok=True)
     except OSError as error:
         raise _map_os_error(error, path) from None
+
+
+def _version(stat: os.stat_result, data: bytes) -> str:
+    """Inode and mtime tell one file from its replacement; the content hash covers an inode number reused
+    within the same mtime tick."""
+    return f"{stat.st_ino:x}.{stat.st_mtime_ns:x}.{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+def _write_new_file(path: Path, data: bytes, metadata: Mapping[str, str] | None) -> os.stat_result:
+    """A new file holding `data`, on disk (fsync) before it is linked or renamed anywhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _write_metadata(path, metadata)
+    return stat
+
+
+class _FolderLock:
+    """An exclusive flock on a folder: serialises compare-and-replace among processes on this host (and on
+    NFS, where Linux maps flock to byte-range locks)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.fd: int | None = None
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
 
 
 @dataclass
@@ -213,10 +263,11 @@ class LocalStore:
             if match and final_key.startswith(prefix):
                 path = self._path(key)
                 try:
-                    stored: int | None = path.stat().st_size
+                    stat = path.stat()
                 except OSError:
                     continue  # gone meanwhile
-                unfinished.append(UnfinishedUpload(final_key, stored, partial(_unlink, path)))
+                started = datetime.fromtimestamp(stat.st_mtime, timezone.utc)  # a live writer keeps it fresh
+                unfinished.append(UnfinishedUpload(final_key, stat.st_size, partial(_unlink, path), started))
         return unfinished
 
     def stat(self, key: str) -> ObjectInfo:
@@ -258,6 +309,83 @@ class LocalStore:
         path = self._path(key)
         try:
             path.unlink(missing_ok=True)
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+
+    def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
+        """Written in full to a temporary file, then hard-linked to the final name, which fails when the name
+        exists: never a partial file under the name, never an overwrite. Where the file system has no hard
+        links, an O_EXCL create of the final name (readers may then briefly see it short)."""
+        final = self._path(key)
+        temporary = _temporary_path(final)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            stat = _write_new_file(temporary, data, metadata)
+            try:
+                os.link(temporary, final)
+            except FileExistsError:
+                raise PreconditionFailed(f"{final} already exists") from None
+            except OSError as error:
+                if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+                try:
+                    stat = _write_new_file(final, data, metadata)
+                except FileExistsError:
+                    raise PreconditionFailed(f"{final} already exists") from None
+            return _version(stat, data)
+        except OSError as error:
+            raise _map_os_error(error, final) from None
+        finally:
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass  # left for unfinished_uploads() to find
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                data = handle.read()
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+        return data, _version(stat, data)
+
+    def _check_version(self, key: str, version: str) -> None:
+        try:
+            _, current = self.read_versioned(key)
+        except NotFoundError:
+            raise PreconditionFailed(f"{self._path(key)} is gone") from None
+        if current != version:
+            raise PreconditionFailed(f"{self._path(key)} was changed by another writer")
+
+    def replace_if_version(
+        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        final = self._path(key)
+        temporary = _temporary_path(final)
+        try:
+            with _FolderLock(final.parent):
+                self._check_version(key, version)
+                stat = _write_new_file(temporary, data, metadata)
+                os.replace(temporary, final)
+            return _version(stat, data)
+        except OSError as error:
+            raise _map_os_error(error, final) from None
+        finally:
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+    def delete_if_version(self, key: str, version: str) -> None:
+        path = self._path(key)
+        try:
+            with _FolderLock(path.parent):
+                self._check_version(key, version)
+                path.unlink()
+        except FileNotFoundError:
+            raise PreconditionFailed(f"{path} is gone") from None
         except OSError as error:
             raise _map_os_error(error, path) from None
 
