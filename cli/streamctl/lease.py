@@ -36,7 +36,7 @@ from datetime import datetime, timedelta, timezone
 
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.storage.base import LEASE_NAME, Location
+from streamctl.storage.base import LEASE_NAME, Location, MultipartUpload, ObjectInfo, Store
 
 DEFAULT_TTL_S = 120.0
 DEFAULT_HEARTBEAT_S = 20.0
@@ -122,10 +122,14 @@ class Holder:
             return None
 
     def describe(self) -> str:
-        return f"{self.command!r} on {self.host}, pid {self.pid}, started {_iso(self.started)}"
+        return f"{self.command!r} on {self.host}, pid {self.pid}, started {_shown(self.started)}"
 
 
 def _iso(moment: datetime) -> str:
+    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _shown(moment: datetime) -> str:
     return moment.astimezone(timezone.utc).isoformat(timespec="seconds")
 
 
@@ -174,7 +178,7 @@ def _process_alive(pid: int) -> bool:
 def stale_reason(holder: Holder, now: datetime) -> str | None:
     """Why a lease no longer protects a live run, or None while it does."""
     if holder.expires <= now:
-        return f"its last heartbeat was {_iso(holder.heartbeat)} and it expired {_iso(holder.expires)}"
+        return f"its last heartbeat was {_shown(holder.heartbeat)} and it expired {_shown(holder.expires)}"
     here = holder.host == socket.gethostname() and holder.boot_id is not None and holder.pid_ns is not None
     if here and holder.boot_id == _read_text("/proc/sys/kernel/random/boot_id") and holder.pid_ns == _pid_namespace():
         if not _process_alive(holder.pid):
@@ -246,6 +250,19 @@ class Lease:
         """Renew now, so nobody else can take the lease for `ttl_s`: call right before a final write."""
         self.renew()
 
+    def guard_commit(self) -> None:
+        """Before a write becomes visible under a final name: DestinationBusy when the lease is lost, and a
+        renewal first when it is close to expiry by our own clock. A run that was paused (SIGSTOP, a frozen VM)
+        past its expiry may have been taken over meanwhile; this is where it finds out, before it commits."""
+        if self.lost is not None:
+            raise self.lost
+        if _now() >= self.holder.expires - timedelta(seconds=self.settings.heartbeat_s):
+            self.renew()
+
+    def fenced(self, location: Location) -> Location:
+        """`location` with every write (put, multipart completion, delete) behind guard_commit()."""
+        return Location(FencedStore(location.store, self.guard_commit), location.prefix)
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.settings.heartbeat_s):
             try:
@@ -282,15 +299,46 @@ class Lease:
                 self.progress.log(f"the lease on {self.location.url} was taken by another run before this one ended")
             except StreamctlError as error:
                 self.progress.log(
-                    f"could not remove the lease {self.url} ({error.message}); it expires at {_iso(self.holder.expires)}"
+                    f"could not remove the lease {self.url} ({error.message}); it expires at {_shown(self.holder.expires)}"
                 )
+
+
+@dataclass
+class FencedStore:
+    """A store whose writes first call `guard` (Lease.guard_commit); everything else is the store's own."""
+
+    store: Store
+    guard: Callable[[], None]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.store, name)
+
+    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        self.guard()
+        return self.store.put(key, data, metadata)
+
+    def delete(self, key: str) -> None:
+        self.guard()
+        self.store.delete(key)
+
+    def start_multipart(self, key: str, part_size: int, metadata: Mapping[str, str] | None = None) -> MultipartUpload:
+        upload = self.store.start_multipart(key, part_size, metadata)
+        complete = upload.complete
+
+        def guarded_complete() -> ObjectInfo:
+            self.guard()
+            return complete()
+
+        # Patched on the instance rather than wrapped, so the upload keeps its type (local fast paths test it).
+        upload.complete = guarded_complete  # type: ignore[method-assign]
+        return upload
 
 
 def _metadata(body: bytes) -> dict[str, str]:
     return {"sha256": hashlib.sha256(body).hexdigest()}  # like every object streamctl writes
 
 
-def _busy(location: Location, holder: Holder | None, settings: LeaseSettings) -> DestinationBusy:
+def _busy(location: Location, holder: Holder | None) -> DestinationBusy:
     lease_url = location.store.url(location.key(LEASE_NAME))
     if holder is None:
         return DestinationBusy(
@@ -299,9 +347,9 @@ def _busy(location: Location, holder: Holder | None, settings: LeaseSettings) ->
         )
     return DestinationBusy(
         f"{location.url} is being written by another streamctl run: {holder.describe()}, "
-        f"last heartbeat {_iso(holder.heartbeat)}",
+        f"last heartbeat {_shown(holder.heartbeat)}",
         hint=(
-            f"wait for it to finish; if that run is gone, its lease expires at {_iso(holder.expires)} and the next "
+            f"wait for it to finish; if that run is gone, its lease expires at {_shown(holder.expires)} and the next "
             f"run takes over (on its own host at once), or delete {lease_url} if you are sure"
         ),
     )
@@ -341,7 +389,7 @@ def acquire(
             return _started(Lease(location, held, version, settings, progress, acquired_at))
         reason = "it is unreadable" if held is None else stale_reason(held, _now())
         if reason is None:
-            raise _busy(location, held, settings)
+            raise _busy(location, held)
         last_seen = held
         try:
             version = store.replace_if_version(key, body, version, _metadata(body))
@@ -350,7 +398,7 @@ def acquire(
         what = "an unreadable lease" if held is None else f"the lease of a stale run ({held.describe()})"
         progress.log(f"took over {what} on {location.url}: {reason}")
         return _started(Lease(location, holder, version, settings, progress, acquired_at, taken_over=held))
-    raise _busy(location, last_seen, settings)
+    raise _busy(location, last_seen)
 
 
 def _started(lease: Lease) -> Lease:

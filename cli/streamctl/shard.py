@@ -1756,7 +1756,7 @@ def shard_checkpoint(
     with hold_lease(dest, f"streamctl shard {plan.source} {plan.dest}", progress) as lease:
         # Planning ran before the lease: another run may have written here since.
         plan = replace(plan, stale=_check_dest(dest, source, _output_names(plan), options.force))
-        return _shard_offline(source, dest, options, progress, plan, started, lease)
+        return _shard_offline(source, lease.fenced(dest), options, progress, plan, started, lease)
 
 
 def _shard_offline(
@@ -1900,7 +1900,7 @@ def shard_with_vllm(
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
     with hold_lease(dest, f"streamctl shard {source_id or source.url} {dest.url}", progress) as lease:
         return _shard_with_vllm_leased(
-            source, dest, options, progress, source_id, runner, started, version, pattern, listing, config, lease
+            source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, listing, config, lease
         )
 
 
