@@ -354,3 +354,23 @@ def _holder_here(pid: int, now: datetime, expires: datetime) -> Holder:
 
     return Holder("d" * 32, socket.gethostname(), pid, "streamctl transfer old", now - timedelta(minutes=5), now,
                   expires, _read_text("/proc/sys/kernel/random/boot_id"), _pid_namespace())  # fmt: skip
+
+
+def test_a_plan_made_before_another_run_finished_is_checked_again_under_the_lease(tmp_path: Path) -> None:
+    """Run A plans, run B writes another model and finishes, then A gets the lease: A must look again and
+    refuse, not copy its files next to B's."""
+    from streamctl.errors import UsageError
+    from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
+
+    write_source(tmp_path / "a", 1, MiB)
+    model_b = write_source(tmp_path / "b", 2, MiB)
+    (tmp_path / "b" / "special_tokens_map.json").write_bytes(b"{}")
+    model_b["special_tokens_map.json"] = b"{}"
+    source_a, source_b = open_location(str(tmp_path / "a")), open_location(str(tmp_path / "b"))
+    dest = open_location(str(tmp_path / "dest"))
+    stale_plan = plan_transfer(source_a, dest, source_a.url, TransferOptions())
+    execute_transfer(plan_transfer(source_b, dest, source_b.url, TransferOptions()), source_b, dest)
+    with pytest.raises(UsageError, match="already holds"):
+        execute_transfer(stale_plan, source_a, dest)
+    assert contents(dest) == with_manifest(model_b, dest)
+    assert not has_lease(dest)

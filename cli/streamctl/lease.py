@@ -232,19 +232,27 @@ class Lease:
                 raise self.lost
             now = _now()
             renewed = replace(self.holder, heartbeat=now, expires=now + timedelta(seconds=self.settings.ttl_s))
+            body = renewed.to_bytes()
             try:
-                self.version = self.location.store.replace_if_version(
-                    self.key, renewed.to_bytes(), self.version, _metadata(renewed.to_bytes())
-                )
+                self.version = self.location.store.replace_if_version(self.key, body, self.version, _metadata(body))
             except PreconditionFailed:
-                raise self._lose(
-                    DestinationBusy(
-                        f"another run took over the lease on {self.location.url} (this run was paused or cut off "
-                        "past its expiry); stopped before writing the manifest",
-                        hint="check what that run wrote, then run this command again",
-                    )
-                ) from None
+                current = self._stored()
+                if current is None or current[0] != body:
+                    raise self._lose(
+                        DestinationBusy(
+                            f"another run took over the lease on {self.location.url} (this run was paused or cut "
+                            "off past its expiry); this run stopped writing",
+                            hint="check what that run wrote, then run this command again",
+                        )
+                    ) from None
+                self.version = current[1]  # our own write, answered 412 when the SDK retried it
             self.holder = renewed
+
+    def _stored(self) -> tuple[bytes, str] | None:
+        try:
+            return self.location.store.read_versioned(self.key)
+        except StreamctlError:  # gone, or unreadable: not ours in any case
+            return None
 
     def ensure_held(self) -> None:
         """Renew now, so nobody else can take the lease for `ttl_s`: call right before a final write."""
@@ -296,7 +304,8 @@ class Lease:
             try:
                 self.location.store.delete_if_version(self.key, self.version)
             except PreconditionFailed:
-                self.progress.log(f"the lease on {self.location.url} was taken by another run before this one ended")
+                if self._stored() is not None:  # (absent: our own delete, retried by the SDK)
+                    self.progress.log(f"the lease on {self.location.url} was taken by another run before this one ended")
             except StreamctlError as error:
                 self.progress.log(
                     f"could not remove the lease {self.url} ({error.message}); it expires at {_shown(self.holder.expires)}"
