@@ -374,3 +374,36 @@ def test_a_plan_made_before_another_run_finished_is_checked_again_under_the_leas
         execute_transfer(stale_plan, source_a, dest)
     assert contents(dest) == with_manifest(model_b, dest)
     assert not has_lease(dest)
+
+
+def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--engine vllm (vLLM's save stood in for: no GPU here): refused while another run holds DEST, holds the
+    lease while vLLM saves, and releases it when the save fails."""
+    import subprocess as subprocess_module
+
+    import streamctl.shard as shard_module
+    from streamctl.errors import UsageError
+    from streamctl.shard import ShardOptions
+
+    write_tiny_checkpoint(tmp_path / "hf", "llama-gqa")
+    dest = open_location(str(tmp_path / "out"))
+    (tmp_path / "out").mkdir()
+    calls: list[bool] = []
+
+    def fake_vllm(command: list[str]) -> subprocess_module.CompletedProcess[str]:
+        calls.append(has_lease(dest))
+        return subprocess_module.CompletedProcess(command, 1, "", "CUDA out of memory")
+
+    monkeypatch.setattr(shard_module, "check_vllm_engine_available", lambda: None)
+    now = datetime.now(timezone.utc)
+    other = Holder("o" * 32, "gpu-node-2", 77, "streamctl shard x y", now, now, now + timedelta(minutes=2))
+    version = dest.store.create_if_absent(dest.key(LEASE_NAME), other.to_bytes())
+    options = ShardOptions(2, engine="vllm")
+    with pytest.raises(DestinationBusy, match="gpu-node-2, pid 77"):
+        shard_module.shard_with_vllm(open_location(str(tmp_path / "hf")), dest, options, runner=fake_vllm)
+    assert calls == []  # refused before starting an engine
+    dest.store.delete_if_version(dest.key(LEASE_NAME), version)
+    with pytest.raises(UsageError, match="vLLM's save failed"):
+        shard_module.shard_with_vllm(open_location(str(tmp_path / "hf")), dest, options, runner=fake_vllm)
+    assert calls == [True]
+    assert not has_lease(dest)
