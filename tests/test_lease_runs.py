@@ -145,7 +145,7 @@ def test_a_second_transfer_into_a_dest_being_written_is_refused_and_dest_ends_un
             line = " ".join(second.stderr.split())  # one line, which the console wraps at its width
             assert "being written by another streamctl run" in line
             assert f"on {socket.gethostname()}, pid {first.pid}, started " in line
-            assert "lease expires at" in second.stderr
+            assert "expires at" in second.stderr
             assert raw_names(dest) == before  # it discarded nothing and wrote nothing
     finally:
         first.send_signal(signal.SIGCONT)

@@ -355,11 +355,11 @@ def _busy(location: Location, holder: Holder | None) -> DestinationBusy:
             hint="wait for it to finish, then run this command again",
         )
     return DestinationBusy(
-        f"{location.url} is being written by another streamctl run: {holder.describe()}, "
-        f"last heartbeat {_shown(holder.heartbeat)}",
+        f"{location.url} is being written by another streamctl run ({holder.describe()})",
         hint=(
-            f"wait for it to finish; if that run is gone, its lease expires at {_shown(holder.expires)} and the next "
-            f"run takes over (on its own host at once), or delete {lease_url} if you are sure"
+            f"wait for it to finish; if that run is gone, its lease (last heartbeat {_shown(holder.heartbeat)}) "
+            f"expires at {_shown(holder.expires)} and the next run takes over, at once on its own host; "
+            f"or delete {lease_url} if you are sure"
         ),
     )
 

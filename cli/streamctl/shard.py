@@ -1753,7 +1753,7 @@ def shard_checkpoint(
             "note: the checkpoint has float32 weights; vLLM serves those as bfloat16/float16 with --dtype auto, "
             "so consider --dtype"
         )
-    with hold_lease(dest, f"streamctl shard {plan.source} {plan.dest}", progress) as lease:
+    with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
         # Planning ran before the lease: another run may have written here since.
         plan = replace(plan, stale=_check_dest(dest, source, _output_names(plan), options.force))
         return _shard_offline(source, lease.fenced(dest), options, progress, plan, started, lease)
@@ -1898,7 +1898,7 @@ def shard_with_vllm(
     validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
     listing = _list_source(source)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
-    with hold_lease(dest, f"streamctl shard {source_id or source.url} {dest.url}", progress) as lease:
+    with hold_lease(dest, f"streamctl shard {source_id or source.url}", progress) as lease:
         return _shard_with_vllm_leased(
             source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, listing, config, lease
         )

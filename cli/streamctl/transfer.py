@@ -597,7 +597,7 @@ def execute_transfer(
 
     The whole write phase holds DEST's lease (DestinationBusy, exit 7, while another run writes there)."""
     options.validate()
-    with hold_lease(dest, f"streamctl transfer {plan.source} {plan.dest}", progress) as lease:
+    with hold_lease(dest, f"streamctl transfer {plan.source}", progress) as lease:
         dest = lease.fenced(dest)
         if not options.force:
             # Planning ran before the lease: another run may have finished writing here since.
