@@ -29,6 +29,7 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 AZURITE_CACHE_BIN = Path("/root/.cache/streamctl/node/node_modules/.bin/azurite-blob")
 GCS_PROJECT = "streamctl-test"
 STARTUP_TIMEOUT_S = 30.0
+PATCHED_SERVERS = Path(__file__).with_name("patched_servers.py")
 
 
 class ServerUnavailable(RuntimeError):
@@ -195,7 +196,8 @@ def start_s3(workdir: Path) -> S3Server:
     _require_module("moto", "pip install 'moto[s3,server]' flask flask-cors")
     server = start_process(
         "moto-s3",
-        lambda port: [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        # moto.server, with the upload times real S3 reports (see patched_servers.py)
+        lambda port: [sys.executable, str(PATCHED_SERVERS), "moto", "-H", "127.0.0.1", "-p", str(port)],
         "/moto-api/",
         workdir,
         # Authentication starts off; set_auth() turns it on for the access-denied test.
@@ -246,8 +248,8 @@ def start_gcs(workdir: Path) -> GCSServer:
     _require_module("gcp_storage_emulator", "pip install gcp-storage-emulator")
     server = start_process(
         "gcs-emulator",
-        lambda port: [
-            sys.executable, "-m", "gcp_storage_emulator", "start",
+        lambda port: [  # gcp_storage_emulator, with GCS's ifGenerationMatch (see patched_servers.py)
+            sys.executable, str(PATCHED_SERVERS), "gcs", "start",
             "--host", "127.0.0.1", "--port", str(port), "--in-memory",
         ],  # fmt: skip
         "/",

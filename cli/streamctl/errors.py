@@ -73,6 +73,23 @@ class VerificationFailed(StreamctlError):
     code = "verification-failed"
 
 
+class DestinationBusy(StreamctlError):
+    """Another run holds the DEST's lease and is alive, or took it from this run (see streamctl.lease).
+
+    A code of its own: the remedy is to wait and run again, which a script can tell from bad usage (2) or a
+    failing service (6)."""
+
+    exit_code = 7
+
+
+class PreconditionFailed(StreamctlError):
+    """A conditional write or delete found the object not in the state it named (it exists, is missing,
+    or another writer changed it). Raised by the storage conditional methods; the lease code turns it into
+    DestinationBusy, so it reaches the user only through a bug."""
+
+    exit_code = 7
+
+
 class MissingProgramError(StreamctlError):
     """A program or optional extra that this command needs is not installed (as a shell's 127)."""
 

@@ -110,6 +110,7 @@ from streamctl.shard_layouts import (
     layout_row,
     parse_version,
 )
+from streamctl.lease import Lease, hold_lease
 from streamctl.sharded import (
     default_pattern,
     format_name,
@@ -947,9 +948,12 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
     )
-    output_names = {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
-    cleanup = _check_dest(dest, pattern, output_names, options.force)
+    cleanup = _check_dest(dest, pattern, _output_names(plan), options.force)
     return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+
+
+def _output_names(plan: ShardPlan) -> set[str]:
+    return {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
 
 
 # =============================================================================================== casting
@@ -1880,7 +1884,26 @@ def shard_checkpoint(
             "note: the checkpoint has float32 weights; vLLM serves those as bfloat16/float16 with --dtype auto, "
             "so consider --dtype"
         )
-    discarded = discard_unfinished_uploads(dest, partial(_ours, plan.pattern, plan.serving_files), progress)
+    with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
+        # Planning ran before the lease: another run may have written here since.
+        cleanup = _check_dest(dest, plan.pattern, _output_names(plan), options.force)
+        plan = replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+        return _shard_offline(source, lease.fenced(dest), options, progress, plan, started, lease, notes)
+
+
+def _shard_offline(
+    source: Location,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress,
+    plan: ShardPlan,
+    started: float,
+    lease: Lease,
+    notes: tuple[ListingNote, ...],
+) -> ShardResult:
+    discarded = discard_unfinished_uploads(
+        dest, partial(_ours, plan.pattern, plan.serving_files), progress, lease.acquired_at
+    )
     planned = [file.name for file in plan.files()] + [path for path, _ in plan.serving_files]
     copied, created = _begin(source, dest, plan, "offline", planned, options, progress)
     files, bytes_written = _undo_on_failure(
@@ -1903,7 +1926,7 @@ def shard_checkpoint(
         discarded,
         notes,
     )
-    return _record(dest, result)
+    return _record(dest, result, lease)
 
 
 def _check_written(
@@ -1927,10 +1950,11 @@ def _check_written(
     return verify, reconstruction
 
 
-def _record(dest: Location, result: ShardResult) -> ShardResult:
+def _record(dest: Location, result: ShardResult, lease: Lease) -> ShardResult:
     """The manifest, once both checks passed; ShardCheckFailed (exit 1, no manifest) otherwise."""
     if not result.ok:
         raise ShardCheckFailed(result)
+    lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
     write_manifest(dest, result)
     return result
 
@@ -2016,6 +2040,29 @@ def shard_with_vllm(
     log_notes(notes, progress)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
     serving = _serving_files(listing, config)
+    with hold_lease(dest, f"streamctl shard {source_id or source.url}", progress) as lease:
+        return _shard_with_vllm_leased(
+            source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, serving,
+            config, lease, notes,
+        )  # fmt: skip
+
+
+def _shard_with_vllm_leased(
+    source: Location,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress,
+    source_id: str | None,
+    runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None,
+    started: float,
+    version: str,
+    pattern: str,
+    serving: tuple[tuple[str, int], ...],
+    config: dict[str, Any],
+    lease: Lease,
+    notes: tuple[ListingNote, ...],
+) -> ShardResult:
+    # Under the lease (nobody writes meanwhile), and before the engine runs: a refusal costs nothing.
     cleanup = _check_dest(dest, pattern, {path for path, _ in serving}, options.force)
     with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
         arguments = {
@@ -2036,7 +2083,7 @@ def shard_with_vllm(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
-        discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
+        discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress, lease.acquired_at)
         architecture = str((config.get("architectures") or ["?"])[0])
         plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, cleanup, architecture)
         copied, created = _begin(source, dest, plan, "vllm", [path for path, _ in serving], options, progress)
@@ -2061,7 +2108,7 @@ def shard_with_vllm(
         discarded,
         notes,
     )
-    return _record(dest, result)
+    return _record(dest, result, lease)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:

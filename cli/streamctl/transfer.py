@@ -53,6 +53,7 @@ from streamctl.ownership import (
     unfollowed_links,
     written_by_streamctl,
 )
+from streamctl.lease import Lease, hold_lease
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
@@ -608,10 +609,17 @@ def put_json(location: Location, name: str, document: object) -> None:
     location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
 
 
-def discard_unfinished_uploads(dest: Location, ours: Callable[[str], bool], progress: Progress) -> tuple[str, ...]:
+def discard_unfinished_uploads(
+    dest: Location, ours: Callable[[str], bool], progress: Progress, started_before: datetime | None = None
+) -> tuple[str, ...]:
     """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
     them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
     files take disk, until someone does. Unfinished uploads of other objects are left alone.
+
+    Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
+    upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
+    stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
+    store gives no date for are discarded (under the lease, no live run can own them).
 
     Best effort: credentials that may write but not list or abort uploads (no s3:ListBucketMultipartUploads,
     say) are common and enough for the run itself, so a refusal here is reported, never fatal.
@@ -622,9 +630,13 @@ def discard_unfinished_uploads(dest: Location, ours: Callable[[str], bool], prog
         progress.log(f"could not look for unfinished uploads of earlier runs: {error.message}")
         return ()
     discarded = []
+    recent = 0
     for upload in unfinished:
         name = dest.relative(upload.key)
         if not ours(name):
+            continue
+        if started_before is not None and upload.started is not None and upload.started >= started_before:
+            recent += 1
             continue
         try:
             upload.discard()
@@ -635,6 +647,8 @@ def discard_unfinished_uploads(dest: Location, ours: Callable[[str], bool], prog
     if discarded:
         shown = ", ".join(sorted(set(discarded))[:5]) + (", ..." if len(set(discarded)) > 5 else "")
         progress.log(f"discarded {len(discarded)} unfinished upload(s) an earlier run left: {shown}")
+    if recent:
+        progress.log(f"left {recent} unfinished upload(s) begun after this run took the lease (another writer's)")
     return tuple(sorted(discarded))
 
 
@@ -646,17 +660,33 @@ def execute_transfer(
     progress: Progress = NULL_PROGRESS,
 ) -> TransferResult:
     """Copy every planned file, remove what --force replaces, then write the manifest. Ctrl-C aborts open
-    uploads before re-raising."""
+    uploads before re-raising.
+
+    The whole write phase holds DEST's lease (DestinationBusy, exit 7, while another run writes there)."""
     options.validate()
     check_disjoint(source, dest)  # again: a plan may come from elsewhere, and nothing is written yet
+    with hold_lease(dest, f"streamctl transfer {plan.source}", progress) as lease:
+        dest = lease.fenced(dest)
+        if not options.force:
+            # Planning ran before the lease: another run may have finished writing here since.
+            existing = _list_dest(dest)
+            manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
+            _check_manifest(dest, manifests, plan.source, plan.commit, {file.path for file in plan.files})
+        return _execute_transfer(plan, source, dest, options, progress, lease)
+
+
+def _execute_transfer(
+    plan: TransferPlan, source: Location, dest: Location, options: TransferOptions, progress: Progress, lease: Lease
+) -> TransferResult:
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
     ours = {file.path for file in plan.files} | {MANIFEST_NAME}
-    discarded = discard_unfinished_uploads(dest, ours.__contains__, progress)
+    discarded = discard_unfinished_uploads(dest, ours.__contains__, progress, lease.acquired_at)
     overall = progress.task("total", plan.copy_bytes)
     parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
     files_pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-file")
     engine = _Engine(source, dest, options, progress, overall, ByteBudget(options.max_buffer), parts)
+    lease.on_lost(engine.cancelled.set)  # another run holds DEST now: stop writing at once
     copied: dict[str, CopiedFile] = {}
     try:
         # Largest first: the long poles start early and small files fill the gaps.
@@ -678,6 +708,7 @@ def execute_transfer(
         copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
     )
     removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
+    lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
     write_manifest(dest, plan, results)
     return TransferResult(
         plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes

@@ -11,9 +11,14 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Protocol
 
 MiB = 1024 * 1024
+# The lease object a writing run holds at the root of its DEST (streamctl.lease). A reserved name: folder-like
+# listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
+# a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
+LEASE_NAME = ".streamctl-lease"
 
 # Temporary names, one form for every backend that makes them (local files, GCS part objects): the bytes
 # of an upload of `DIR/NAME` live under `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds
@@ -94,6 +99,9 @@ class UnfinishedUpload:
     key: str  # the object it was meant to become
     stored: int | None  # bytes held, where the listing says
     discard: Callable[[], None]  # removes it; raises StreamctlError when it cannot
+    # When the upload began, by the store's clock (S3 Initiated, GCS timeCreated of its first part, Azure
+    # creation time, local mtime), timezone-aware; None where the store does not say.
+    started: datetime | None = None
 
 
 class Store(Protocol):
@@ -140,6 +148,37 @@ class Store(Protocol):
         A run killed outright (SIGKILL, a lost machine) cannot abort its own; the next run into the same
         place discards the ones for the objects it writes.
         """
+        ...
+
+    # Conditional writes, for the DEST lease (streamctl.lease). A *version* is an opaque token naming one
+    # stored state of an object (S3/Azure: the ETag; GCS: the generation; local: inode, mtime and content hash).
+    # S3's ETag is the MD5 of the bytes, so two writers must never write identical bytes (the lease's carry a
+    # per-run token).
+    # Each call is one atomic request on the service: of two racing writers exactly one succeeds, and the other
+    # gets PreconditionFailed (never a silent overwrite).
+
+    def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
+        """Write a small object only if no object has `key`; return its version.
+
+        PreconditionFailed when one exists (S3 `If-None-Match: *`, GCS `ifGenerationMatch=0`, Azure
+        `If-None-Match: *`, local: a hard link that fails on an existing name)."""
+        ...
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        """The whole (small) object and the version those bytes are; NotFoundError when it is missing."""
+        ...
+
+    def replace_if_version(
+        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        """Overwrite the object only while it is still `version`; return the new version.
+
+        PreconditionFailed when it changed or is gone (S3 `If-Match`, GCS `ifGenerationMatch`, Azure `If-Match`,
+        local: compare and rename under an exclusive lock on the folder)."""
+        ...
+
+    def delete_if_version(self, key: str, version: str) -> None:
+        """Delete the object only while it is still `version`; PreconditionFailed when it changed or is gone."""
         ...
 
 
@@ -195,8 +234,14 @@ class Location:
         return self.store.url(self.prefix)
 
     def list(self) -> Iterator[ObjectInfo]:
-        """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded)."""
-        return self.store.list(f"{self.prefix}/" if self.prefix else "")
+        """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded).
+
+        Leases (LEASE_NAME, at any depth) are not listed: they are the writing run's, not the model's."""
+        return (
+            info
+            for info in self.store.list(f"{self.prefix}/" if self.prefix else "")
+            if info.key.rpartition("/")[2] != LEASE_NAME
+        )
 
     def notes(self) -> tuple[ListingNote, ...]:
         """What `list()` left out of this location or listed through a link, for the user to hear about;

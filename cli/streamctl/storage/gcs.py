@@ -19,6 +19,8 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -33,7 +35,7 @@ from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
-from streamctl.errors import RemoteError, StreamctlError, UsageError
+from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, UsageError
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -413,16 +415,76 @@ class GCSStore:
     def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
         """Part objects of uploads that were never composed (billed like any object until deleted)."""
         stored: dict[tuple[str, str], int] = {}
+        started: dict[tuple[str, str], datetime] = {}
         base_dir, separator, _ = prefix.rpartition("/")  # the part objects sit beside the name, not under it
         for blob in self._list_raw(base_dir + separator, Op.LIST):
             temporary = parse_temporary_key(blob.name, tail_segments=1)
             if temporary is not None and temporary.final_key.startswith(prefix):
                 upload = (temporary.final_key, temporary.token)
                 stored[upload] = stored.get(upload, 0) + int(blob.size or 0)
+                if blob.time_created is not None:
+                    first = started.get(upload)
+                    started[upload] = min(first, blob.time_created) if first else blob.time_created
         return [
-            UnfinishedUpload(key, size, GCSMultipartUpload(self, key, 0, upload_id, {}).abort)
+            UnfinishedUpload(
+                key, size, GCSMultipartUpload(self, key, 0, upload_id, {}).abort, started.get((key, upload_id))
+            )
             for (key, upload_id), size in sorted(stored.items())
         ]
+
+    @contextmanager
+    def _conditional(self, key: str, op: Op) -> Iterator[None]:
+        """412 (generation differs) and a 404 of the object an ifGenerationMatch named: not as asked."""
+        try:
+            with self._guard(op, key):
+                yield
+        except StreamctlError as error:
+            cause = error.__cause__
+            if isinstance(cause, gexc.PreconditionFailed) or (
+                isinstance(cause, gexc.NotFound) and classify(cause).kind is not Kind.NO_BUCKET
+            ):
+                raise PreconditionFailed(f"{self.url(key)}: {one_line(cause)}") from None
+            raise
+
+    def _conditional_upload(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None, generation: int
+    ) -> str:
+        with self._conditional(key, Op.WRITE):
+            blob = self._bucket.blob(key)
+            if metadata:
+                blob.metadata = lower_keys(metadata)
+            blob.upload_from_string(
+                data, content_type=_CONTENT_TYPE, if_generation_match=generation, retry=self._retry()
+            )
+            return str(blob.generation)
+
+    def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
+        return self._conditional_upload(key, data, metadata, 0)  # generation 0: "no live object"
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        # The generation first, then the bytes of exactly that generation (a 412 if it was replaced between).
+        for _ in range(5):
+            with self._guard(Op.READ, key):
+                blob = self._bucket.blob(key)
+                blob.reload(retry=self._retry())
+                generation = blob.generation  # before the download, which resets it from its own headers
+                try:
+                    data = blob.download_as_bytes(
+                        if_generation_match=generation, raw_download=True, retry=self._retry()
+                    )
+                except gexc.PreconditionFailed:
+                    continue
+                return data, str(generation)
+        raise RemoteError(f"{self.url(key)}: replaced five times while being read", hint="run the command again")
+
+    def replace_if_version(
+        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        return self._conditional_upload(key, data, metadata, int(version))
+
+    def delete_if_version(self, key: str, version: str) -> None:
+        with self._conditional(key, Op.DELETE):
+            self._bucket.blob(key).delete(if_generation_match=int(version), retry=self._retry())
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> GCSStore:

@@ -16,16 +16,25 @@ O_NOFOLLOW from the one above it (openat-style), and the final rename replaces a
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat as stat_mode
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 
 from streamctl._libc import start_writeback
-from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.errors import (
+    AccessDeniedError,
+    NotFoundError,
+    PreconditionFailed,
+    RemoteError,
+    StreamctlError,
+    UsageError,
+)
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
     ObjectInfo,
@@ -192,6 +201,47 @@ def _remove_upload_folder(parent_fd: int, token: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------- writing
+
+
+def _version(stat: os.stat_result, data: bytes) -> str:
+    """Inode and mtime tell one file from its replacement; the content hash covers an inode number reused
+    within the same mtime tick."""
+    return f"{stat.st_ino:x}.{stat.st_mtime_ns:x}.{hashlib.sha256(data).hexdigest()[:16]}"
+
+
+def _write_new_file(path: Path, data: bytes, metadata: Mapping[str, str] | None) -> os.stat_result:
+    """A new file holding `data`, on disk (fsync) before it is linked or renamed anywhere."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+        stat = os.fstat(fd)
+    finally:
+        os.close(fd)
+    _write_metadata(path, metadata)
+    return stat
+
+
+class _FolderLock:
+    """An exclusive flock on a folder: serialises compare-and-replace among processes on this host (and on
+    NFS, where Linux maps flock to byte-range locks)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.fd: int | None = None
+
+    def __enter__(self) -> None:
+        import fcntl
+
+        self.fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
 
 
 @dataclass
@@ -434,7 +484,12 @@ class LocalStore:
         if not self.root.is_dir():
             return []  # nothing was ever written here
         return [
-            UnfinishedUpload(temporary.final_key, listed.stat.st_size, partial(self._discard, temporary))
+            UnfinishedUpload(
+                temporary.final_key,
+                listed.stat.st_size,
+                partial(self._discard, temporary),
+                datetime.fromtimestamp(listed.stat.st_mtime, timezone.utc),  # a live writer keeps it fresh
+            )
             for temporary, listed in self._scan(prefix).temporary
         ]
 
@@ -587,6 +642,84 @@ class LocalStore:
         finally:
             os.close(parent_fd)
 
+    def _lease_temporary(self, key: str) -> Path:
+        """A path of the one reserved temporary form (see TEMPORARY_FOLDER) for a small conditional write."""
+        path = self._path(temporary_key(key, new_temporary_token()))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
+        """Written in full to a temporary file, then hard-linked to the final name, which fails when the name
+        exists: never a partial file under the name, never an overwrite. Where the file system has no hard
+        links, an O_EXCL create of the final name (readers may then briefly see it short)."""
+        final = self._path(key)
+        temporary = self._lease_temporary(key)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            stat = _write_new_file(temporary, data, metadata)
+            try:
+                os.link(temporary, final)
+            except FileExistsError:
+                raise PreconditionFailed(f"{final} already exists") from None
+            except OSError as error:
+                if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+                try:
+                    stat = _write_new_file(final, data, metadata)
+                except FileExistsError:
+                    raise PreconditionFailed(f"{final} already exists") from None
+            return _version(stat, data)
+        except OSError as error:
+            raise _map_os_error(error, final) from None
+        finally:
+            _remove_lease_temporary(temporary)
+
+    def read_versioned(self, key: str) -> tuple[bytes, str]:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as handle:
+                stat = os.fstat(handle.fileno())
+                data = handle.read()
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+        return data, _version(stat, data)
+
+    def _check_version(self, key: str, version: str) -> None:
+        try:
+            _, current = self.read_versioned(key)
+        except NotFoundError:
+            raise PreconditionFailed(f"{self._path(key)} is gone") from None
+        if current != version:
+            raise PreconditionFailed(f"{self._path(key)} was changed by another writer")
+
+    def replace_if_version(
+        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        final = self._path(key)
+        temporary = self._lease_temporary(key)
+        try:
+            with _FolderLock(final.parent):
+                self._check_version(key, version)
+                stat = _write_new_file(temporary, data, metadata)
+                os.replace(temporary, final)
+            return _version(stat, data)
+        except OSError as error:
+            raise _map_os_error(error, final) from None
+        finally:
+            _remove_lease_temporary(temporary)
+
+    def delete_if_version(self, key: str, version: str) -> None:
+        path = self._path(key)
+        try:
+            with _FolderLock(path.parent):
+                self._check_version(key, version)
+                path.unlink()
+        except FileNotFoundError:
+            raise PreconditionFailed(f"{path} is gone") from None
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+
+
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
     return (info.st_dev, info.st_ino)
@@ -602,6 +735,16 @@ def _broken_link(key: str, target: str, error: OSError) -> ListingNote:
     return ListingNote(
         key, "symlink-unreadable", f"a symbolic link to {target}: {error.strerror or error}", target=target
     )
+
+
+def _remove_lease_temporary(temporary: Path) -> None:
+    """The temporary file and its token folder (and the reserved folder, when it is empty); what cannot be
+    removed is left for unfinished_uploads() to find."""
+    for path in (temporary, temporary.parent, temporary.parent.parent):
+        try:
+            path.unlink(missing_ok=True) if path is temporary else path.rmdir()
+        except OSError:
+            return
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> LocalStore:
