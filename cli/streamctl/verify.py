@@ -39,7 +39,9 @@ Finding codes
 | `file-trailing-bytes` | error | the object has bytes after the last tensor (rule 9) |
 | `object-vanished` | error | an object in the listing was gone when read |
 | `object-changed` | error | an object was shorter when read than the listing said |
-| `empty-shard` | error | a `.safetensors` file holds no tensors (the streamer fails on it) |
+| `empty-shard` | warning | a `.safetensors` file holds no tensors; vLLM 0.33 and the streamer 0.17 load it (vLLM's own sharded save writes one) |
+| `streamer-unsupported-dtype` | warning (error for `serve`) | a dtype the Run:ai streamer 0.17 cannot read: F8_E4M3FNUZ, F8_E5M2FNUZ, F6_E2M3, F6_E3M2 |
+| `streamer-size-mismatch` | warning (error for `serve`) | the streamer 0.17 sizes the tensor differently from the file (F4: one byte per element, not 4 bits) and refuses it |
 | `index-missing` | error | the index named with `--index` does not exist |
 | `index-too-large` | error | the index is over 100,000,000 bytes |
 | `index-invalid` | error | the index is not UTF-8 JSON like `{"metadata": {...}, "weight_map": {tensor: file}}` |
@@ -112,6 +114,7 @@ from streamctl.sharded import (
     validate_pattern,
 )
 from streamctl.storage.base import Location
+from streamctl.streamer_compat import streamer_problem
 
 Severity = Literal["error", "warning"]
 Layout = Literal["indexed", "single", "sharded"]
@@ -179,6 +182,8 @@ class VerifyOptions:
     pattern: str | None = None
     concurrency: int = 16
     speculative_bytes: int = DEFAULT_SPECULATIVE_BYTES
+    # True for `serve`'s pre-flight: what the Run:ai streamer refuses is an error, not a warning.
+    for_streamer: bool = False
 
 
 @dataclass(frozen=True)
@@ -371,6 +376,7 @@ def verify_checkpoint(
     for shard in shards:
         reads.add(shard.requests, shard.bytes_read)
         _report_shard(shard, findings)
+        _check_streamer_readable(shard, "error" if options.for_streamer else "warning", findings)
 
     if sharded_pattern is not None:
         _check_sharded(sharded_pattern, options, shards, listing, findings)
@@ -578,7 +584,20 @@ def _report_shard(shard: _Shard, findings: _Findings) -> None:
     for problem in shard.header.problems:
         findings.problem(shard.name, problem)
     if shard.complete and not shard.header.tensors:
-        findings.error("empty-shard", shard.name, "no tensors; the Run:ai streamer fails on a file without tensors")
+        # Measured: the streamer 0.17 loads it at every memory limit, concurrency and in distributed mode.
+        findings.warning(
+            "empty-shard", shard.name, "no tensors; vLLM and the Run:ai streamer load it, but it holds nothing"
+        )
+
+
+def _check_streamer_readable(shard: _Shard, severity: Severity, findings: _Findings) -> None:
+    """Tensors the Run:ai streamer 0.17 refuses though the safetensors format allows them."""
+    if shard.header is None:
+        return
+    for tensor in shard.header.tensors:
+        problem = streamer_problem(tensor)
+        if problem is not None:
+            findings.add(severity, problem.code, shard.name, printable(tensor.name), problem.message)
 
 
 def _tensor_locations(shards: Iterable[_Shard]) -> dict[str, list[str]]:
