@@ -56,7 +56,7 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import select_serving_files
+from streamctl.fileset import read_config_references, select_serving_files
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
@@ -656,9 +656,13 @@ class _SourceListing:
     sizes: Mapping[str, int]  # every object, by path relative to the source
 
 
-def _serving_files(listing: _SourceListing, config: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
-    """(path, size) of what DEST gets beside the weights (config, tokenizer, custom code when auto_map)."""
-    paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
+def _serving_files(
+    source: Location, listing: _SourceListing, config: Mapping[str, Any]
+) -> tuple[tuple[str, int], ...]:
+    """(path, size) of what DEST gets beside the weights (config, tokenizer, custom code when auto_map, and
+    what the configs reference, such as sentence-transformers module folders)."""
+    referenced = read_config_references(source, listing.sizes, {"config.json": config} if config else {})
+    paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")), referenced=referenced)
     return tuple((path, listing.sizes[path]) for path in paths)
 
 
@@ -898,7 +902,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         dtype=options.dtype,
         max_part_size=options.max_part_size,
         stages=tuple(stages),
-        serving_files=_serving_files(listing, config),
+        serving_files=_serving_files(source, listing, config),
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
     )
@@ -1897,7 +1901,7 @@ def shard_with_vllm(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
-        serving = _serving_files(listing, config)
+        serving = _serving_files(source, listing, config)
         discarded = discard_unfinished_uploads(dest, partial(_ours, pattern, serving), progress)
         files = _copy_saved_files(saved, dest, pattern, options, progress)
     write_seconds = time.monotonic() - started

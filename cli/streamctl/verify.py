@@ -62,7 +62,7 @@ Finding codes
 | `config-invalid` | error | `config.json` is not a UTF-8 JSON object |
 | `tokenizer-missing` | warning | no tokenizer (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
 | `remote-code-missing` | warning | `auto_map` in `config.json` names a `.py` file that is not there |
-| `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up |
+| `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up; files the model's configs reference (`modules.json` folders such as `1_Pooling/`, `auto_map` code) are not counted |
 | `expect-violated` | error | a tensor matching an `--expect` GLOB lives outside its FILEs |
 | `expect-no-match` | error | an `--expect` GLOB matches no tensor |
 | `sharded-pattern-invalid` | error | the sharded pattern breaks vLLM 0.33's rules at the detected TP/PP sizes |
@@ -92,6 +92,7 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from streamctl.errors import NotFoundError, UsageError
+from streamctl.fileset import read_config_references
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -390,7 +391,9 @@ def verify_checkpoint(
             )
         _check_consolidated_mix(safetensors_names, findings)
     _check_expectations(options.expectations, shards, index, findings)
-    _check_serving_files(listing, safetensors_names, config_data, findings)
+    # Sub-folders the model's configs name (sentence-transformers modules, custom code) are needed, not stray.
+    referenced = read_config_references(location, listing.sizes) if listing.subfolders else {}
+    _check_serving_files(listing, safetensors_names, config_data, referenced, findings)
 
     stats = VerifyStats(
         files=len(shards),
@@ -897,7 +900,11 @@ def _check_rank_tensors(
 
 
 def _check_serving_files(
-    listing: _Listing, safetensors_names: Sequence[str], config_data: bytes | None, findings: _Findings
+    listing: _Listing,
+    safetensors_names: Sequence[str],
+    config_data: bytes | None,
+    referenced: Mapping[str, str],
+    findings: _Findings,
 ) -> None:
     """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders."""
     top = listing.top_level
@@ -913,7 +920,13 @@ def _check_serving_files(
             "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, ...); "
             "serve with --tokenizer pointing elsewhere, or upload them",
         )
-    for folder, (objects, total) in sorted(listing.subfolders.items()):
+    unreferenced: dict[str, tuple[int, int]] = {}
+    for name, size in listing.sizes.items():
+        folder, separator, _ = name.partition("/")
+        if separator and name not in referenced:
+            objects, total = unreferenced.get(folder, (0, 0))
+            unreferenced[folder] = (objects + 1, total + size)
+    for folder, (objects, total) in sorted(unreferenced.items()):
         findings.warning(
             "subfolder-pulled",
             f"{folder}/",
