@@ -1390,7 +1390,8 @@ def _commit(streams: Sequence[PartStream], dest: Location, policy: RetryPolicy, 
     completed: list[PartStream] = []
 
     def complete_and_record(stream: PartStream) -> None:
-        with_retries(stream.upload.complete, policy)
+        # The sha256 is known only now: every object streamctl writes carries it (re-runs compare it).
+        with_retries(partial(stream.upload.complete, {SHA256_KEY: stream.digest.hexdigest()}), policy)
         completed.append(stream)  # in the same shielded call: the clean-up below must see it
 
     try:

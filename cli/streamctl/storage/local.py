@@ -19,10 +19,12 @@ from pathlib import Path
 
 from streamctl._libc import start_writeback
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
-from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload
+from streamctl.storage.base import ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
 from streamctl.storage.url import ParsedURL
 
 PARTIAL_SUFFIX = ".streamctl-partial"
+# Where files keep their Content-Type: the freedesktop.org shared-mime-info attribute (file managers read it).
+MIME_TYPE_XATTR = "user.mime_type"
 _XATTR_PREFIX = "user.streamctl."
 
 
@@ -53,10 +55,13 @@ def _read_metadata(path: Path) -> dict[str, str]:
     return metadata
 
 
-def _write_metadata(path: Path, metadata: Mapping[str, str] | None) -> None:
-    for name, value in (metadata or {}).items():
+def _write_metadata(path: Path, metadata: Mapping[str, str] | None, content_type: str | None = None) -> None:
+    attributes = {_XATTR_PREFIX + name.lower(): value for name, value in (metadata or {}).items()}
+    if content_type:
+        attributes[MIME_TYPE_XATTR] = content_type
+    for name, value in attributes.items():
         try:
-            os.setxattr(path, _XATTR_PREFIX + name.lower(), value.encode())
+            os.setxattr(path, name, value.encode())
         except (OSError, AttributeError):
             return  # no xattr support here: metadata is an optimisation, not a requirement
 
@@ -87,6 +92,7 @@ class LocalMultipartUpload:
     final_path: Path
     temporary_path: Path
     metadata: Mapping[str, str]
+    content_type: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _fd: int | None = None
 
@@ -119,7 +125,9 @@ class LocalMultipartUpload:
         except OSError as error:
             raise _map_os_error(error, self.final_path) from None
 
-    def complete(self) -> ObjectInfo:
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        if metadata:
+            self.metadata = {**self.metadata, **metadata}
         with self._lock:
             if self._fd is None:
                 raise UsageError(f"upload of {self.key} is already finished")
@@ -127,7 +135,7 @@ class LocalMultipartUpload:
                 os.fsync(self._fd)
                 os.close(self._fd)
                 self._fd = None
-                _write_metadata(self.temporary_path, self.metadata)
+                _write_metadata(self.temporary_path, self.metadata, self.content_type)
                 os.replace(self.temporary_path, self.final_path)
                 size = self.final_path.stat().st_size
             except OSError as error:
@@ -239,8 +247,10 @@ class LocalStore:
         except OSError as error:
             raise _map_os_error(error, path) from None
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
-        upload = self.start_multipart(key, max(1, len(data)), metadata)
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
+        upload = self.start_multipart(key, max(1, len(data)), metadata, content_type)
         try:
             upload.upload_part(0, data)
             return upload.complete()
@@ -249,10 +259,12 @@ class LocalStore:
             raise
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> LocalMultipartUpload:
         final = self._path(key)
-        return LocalMultipartUpload(key, part_size, final, _temporary_path(final), dict(metadata or {}))
+        return LocalMultipartUpload(
+            key, part_size, final, _temporary_path(final), dict(metadata or {}), content_type or content_type_for(key)
+        )
 
     def delete(self, key: str) -> None:
         path = self._path(key)
