@@ -284,6 +284,8 @@ def render_shard_result(result: ShardResult) -> None:
     removed = f"; removed {len(result.removed)} stale files" if result.removed else ""
     if result.discarded:
         removed += f"; discarded {len(result.discarded)} unfinished uploads of an earlier run"
+    if result.skipped:
+        removed += f"; {len(result.skipped)} unchanged since the previous run (skipped)"
     console.print(
         f"[bold green]done[/] {escape(plan.dest)} ({escape(layout)}, engine {result.engine}): {len(result.files)} "
         f"weight files and {len(result.copied)} serving files{removed}; {human_bytes(result.bytes_written)} in "

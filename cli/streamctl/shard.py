@@ -258,6 +258,10 @@ class ShardPlan:
     serving_files: tuple[tuple[str, int], ...]  # (path, size) of the non-weight files to copy
     stale: tuple[str, ...]  # existing DEST objects that --force removes (old weights and indexes)
     tied_lm_head: SourceTensor | None  # the checkpoint's own lm_head when config says tied: must equal embed
+    # (path, size, etag) of every source weight file: a re-run may reuse DEST files only if none changed.
+    source_files: tuple[tuple[str, int, str | None], ...] = ()
+    # DEST rank files a completed earlier run of this same plan left, unchanged: path -> their sha256.
+    reused: Mapping[str, str] = field(default_factory=dict)
 
     def files(self) -> list[PlannedFile]:
         return [file for stage in self.stages for file in stage_files(self, stage)]
@@ -317,6 +321,7 @@ class ShardResult:
     verify: VerifyReport
     reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
+    skipped: tuple[str, ...] = ()  # rank files already in DEST from an identical earlier run, not rewritten
 
     @property
     def ok(self) -> bool:
@@ -353,6 +358,7 @@ class ShardResult:
             ],
             "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
             "removed": list(self.removed),
+            "skipped": list(self.skipped),
             "discarded_uploads": list(self.discarded),
             "bytes_written": self.bytes_written,
             "seconds": round(self.seconds, 3),
@@ -654,6 +660,7 @@ def _check_supported(config: Mapping[str, Any], row: LayoutRow) -> tuple[str, Ar
 @dataclass(frozen=True)
 class _SourceListing:
     sizes: Mapping[str, int]  # every object, by path relative to the source
+    etags: Mapping[str, str | None] = field(default_factory=dict)
 
 
 def _serving_files(
@@ -667,11 +674,11 @@ def _serving_files(
 
 
 def _list_source(source: Location) -> _SourceListing:
-    sizes = {source.relative(info.key): info.size for info in source.list()}
-    sizes = {name: size for name, size in sizes.items() if name}
-    if not sizes:
+    infos = {source.relative(info.key): info for info in source.list()}
+    infos = {name: info for name, info in infos.items() if name}
+    if not infos:
         raise NotFoundError(f"nothing found under {source.url}")
-    return _SourceListing(sizes)
+    return _SourceListing({name: info.size for name, info in infos.items()}, {name: info.etag for name, info in infos.items()})
 
 
 def _weight_files(source: Location, listing: _SourceListing) -> list[str]:
@@ -905,10 +912,105 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         serving_files=_serving_files(source, listing, config),
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
+        source_files=tuple(
+            (name, listing.sizes[name], listing.etags.get(name)) for name in sorted({t.file for t in tensors.values()})
+        ),
     )
     output_names = {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
-    stale = _check_dest(dest, source, output_names, options.force)
-    return replace(plan, stale=stale)
+    rerun = None if options.force else _same_plan_before(dest, plan)
+    if rerun is None:
+        stale = _check_dest(dest, source, output_names, options.force)
+        return replace(plan, stale=stale)
+    # DEST holds this very plan's completed output: replace what changed, keep what is right (as transfer does).
+    stale = _check_dest(dest, source, output_names, True)
+    return replace(plan, stale=tuple(name for name in stale if name != SHARD_MANIFEST_NAME), reused=rerun)
+
+
+def skipped_files(plan: ShardPlan) -> frozenset[str]:
+    """The rank files a re-run leaves as they are: every TP rank of a part reused (they are cut from the
+    same reads, so a part is skipped or written for all ranks together)."""
+    if not plan.reused:
+        return frozenset()
+    skipped: set[str] = set()
+    for stage in plan.stages:
+        files = stage_files(plan, stage)
+        for part_index in range(len(stage.parts)):
+            names = [file.name for file in files if file.part == part_index]
+            if all(name in plan.reused for name in names):
+                skipped.update(names)
+    return frozenset(skipped)
+
+
+def _planned_ranks(plan: ShardPlan) -> list[dict[str, Any]]:
+    """The rank files of `plan` as the manifest lists them, without the sha256 only writing learns."""
+    return [
+        {
+            "path": file.name,
+            "pp_rank": file.pp_rank,
+            "tp_rank": file.tp_rank,
+            "part": file.part,
+            "size": file.size,
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in file.tensors],
+        }
+        for file in plan.files()
+    ]
+
+
+def _same_plan_before(dest: Location, plan: ShardPlan) -> dict[str, str] | None:
+    """When DEST holds the manifest of a completed run of the same plan from the same, unchanged source
+    files: the rank files still there with the planned size and the manifest's sha256 (path -> sha256,
+    possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
+    existing = _list_dest(dest)
+    info = existing.get(SHARD_MANIFEST_NAME)
+    if info is None or info.size > MAX_CONFIG_BYTES or not plan.source_files:
+        return None
+    if any(etag is None for _, _, etag in plan.source_files):
+        return None  # no way to tell that the source did not change
+    try:
+        manifest = json.loads(dest.store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, info.size))
+    except (ValueError, UnicodeDecodeError, NotFoundError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    same_settings = all(
+        manifest.get(key) == value
+        for key, value in (
+            ("source", plan.source),
+            ("engine", "offline"),
+            ("tensor_parallel_size", plan.tensor_parallel_size),
+            ("pipeline_parallel_size", plan.pipeline_parallel_size),
+            ("pattern", plan.pattern),
+            ("vllm_version", plan.vllm_version),
+            ("layout", plan.row.label),
+            ("dtype", plan.dtype),
+            ("max_part_size", plan.max_part_size),
+            ("source_files", [list(entry) for entry in plan.source_files]),
+        )
+    )
+    if not same_settings:
+        return None
+    recorded: dict[str, dict[str, Any]] = {}
+    for rank in manifest.get("ranks") or []:
+        for file in (rank.get("files") or []) if isinstance(rank, dict) else []:
+            if isinstance(file, dict) and isinstance(file.get("path"), str):
+                recorded[file["path"]] = {**file, "pp_rank": rank.get("pp_rank"), "tp_rank": rank.get("tp_rank")}
+    planned = _planned_ranks(plan)
+    if sorted(recorded) != sorted(entry["path"] for entry in planned):
+        return None
+    for entry in planned:
+        if any(recorded[entry["path"]].get(key) != value for key, value in entry.items()):
+            return None
+    reused: dict[str, str] = {}
+    for entry in planned:
+        found = existing.get(entry["path"])
+        sha256 = recorded[entry["path"]].get("sha256")
+        if found is None or found.size != entry["size"] or not isinstance(sha256, str):
+            continue
+        if found.metadata.get(SHA256_KEY) is None:
+            found = dest.store.stat(found.key)  # S3 listings carry no user metadata
+        if found.metadata.get(SHA256_KEY) == sha256:
+            reused[entry["path"]] = sha256
+    return reused
 
 
 # =============================================================================================== casting
@@ -1229,12 +1331,24 @@ class _Writer:
     def write_stage(self, stage: StagePlan) -> None:
         tp = self.plan.tensor_parallel_size
         files = stage_files(self.plan, stage)
+        skip = skipped_files(self.plan)
         writers = [ThreadPoolExecutor(1, thread_name_prefix=f"shard-rank{rank}") for rank in range(tp)]
         readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-read")
         futures: list[Future[None]] = []
         try:
             for part_index in range(len(stage.parts)):
                 part_files = [file for file in files if file.part == part_index]
+                if all(file.name in skip for file in part_files):
+                    # The TP ranks of one part are cut from the same reads: skipped together, or written together.
+                    for file in part_files:
+                        tensors = tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors)
+                        sha256 = self.plan.reused[file.name]
+                        self.written.append(
+                            WrittenFile(file.name, file.pp_rank, file.tp_rank, file.part, file.size, sha256, tensors)
+                        )
+                        self.progress.log(f"{file.name}: unchanged since the previous run (size and sha256), skipped")
+                    self.progress.advance(self.task, sum(file.size for file in part_files))
+                    continue
                 streams = [self._open(file) for file in part_files]
                 for rank, stream in enumerate(streams):
                     futures.append(self._submit(writers[rank], stream, memoryview(part_files[rank].header), None))
@@ -1702,6 +1816,7 @@ def write_manifest(dest: Location, result: ShardResult) -> None:
         "layout": plan.row.label,
         "dtype": plan.dtype,
         "max_part_size": plan.max_part_size,
+        "source_files": [list(entry) for entry in plan.source_files],
         "ranks": [
             {
                 "pp_rank": pp_rank,
@@ -1772,6 +1887,7 @@ def shard_checkpoint(
         verify,
         reconstruction,
         discarded,
+        tuple(sorted(skipped_files(plan))),
     )
     return _record(dest, result)
 
