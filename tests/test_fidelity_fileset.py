@@ -13,7 +13,6 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from oracle import pooling_config_many, requires_vllm_oracle
 from streamctl.fileset import config_references, read_config_references, select_serving_files
 from streamctl.safetensors import safetensors_bytes

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 from servers import StorageServers

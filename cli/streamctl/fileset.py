@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamctl.errors import NotFoundError
+
 if TYPE_CHECKING:
     from streamctl.storage.base import Location
 
@@ -170,8 +172,8 @@ def read_config_references(
             continue
         try:
             documents[name] = json.loads(location.store.read_range(location.key(name), 0, size))
-        except (ValueError, UnicodeDecodeError):
-            continue
+        except (ValueError, UnicodeDecodeError, NotFoundError):
+            continue  # gone since the listing, or not JSON: it points to nothing
     return config_references(documents, sizes)
 
 
