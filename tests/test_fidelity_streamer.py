@@ -15,6 +15,7 @@ import pytest
 from checkpoints import TensorSpec, write_serving_files, write_tensor_file
 from cli_helpers import run_cli
 from oracle import requires_vllm_oracle, stream_runai_many
+from servers import StorageServers
 from streamctl.safetensors import DTYPE_BITS
 from streamctl.storage import open_location
 from streamctl.streamer_compat import STREAMER_CODES, STREAMER_UNREADABLE_DTYPES
@@ -122,4 +123,32 @@ def test_streamer_loads_empty_parts_in_every_memory_mode(tmp_path: Path) -> None
     assert report.ok and {f.file for f in report.findings if f.code == "empty-shard"} == {
         "empty.safetensors",
         "metadata-only.safetensors",
+    }
+
+
+@requires_vllm_oracle
+def test_streamer_loads_empty_parts_from_s3(s3_root: str, storage_servers: StorageServers) -> None:
+    location = open_location(s3_root)
+    write_tensor_file(location, "model.safetensors", [TensorSpec("w", "F32", (4,))])
+    write_tensor_file(location, "empty.safetensors", [])
+    write_tensor_file(location, "metadata-only.safetensors", [], {"format": "pt"})
+    env = {
+        "AWS_ENDPOINT_URL": storage_servers.s3().endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    names = ["empty.safetensors", "model.safetensors", "metadata-only.safetensors"]
+    jobs: list[dict[str, Any]] = [
+        {"paths": [f"{s3_root}/{name}" for name in names], "env": {**env, **limit}}
+        for limit in ({}, {"RUNAI_STREAMER_MEMORY_LIMIT": "0"}, {"RUNAI_STREAMER_MEMORY_LIMIT": "-1"})
+    ]
+    verdicts = stream_runai_many(jobs)
+    assert [(verdict["ok"], [name for name, _, _ in verdict["tensors"]]) for verdict in verdicts] == [(True, ["w"])] * 3, verdicts
+    report = verify_checkpoint(location, VerifyOptions(for_streamer=True))
+    assert {(f.severity, f.file) for f in report.findings if f.code == "empty-shard"} == {
+        ("warning", "empty.safetensors"),
+        ("warning", "metadata-only.safetensors"),
     }
