@@ -187,3 +187,15 @@ def check_serve_args(argv: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) ->
 def check_serve_args_many(argvs: Sequence[Sequence[str]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Several `vllm serve` argument lists in one vLLM process."""
     return _run_jobs("check_serve_args.py", [list(argv) for argv in argvs], "results", timeout)
+
+
+def stream_runai_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """The Run:ai streamer 0.17's verdict per job {"paths": [file, ...], "env": {NAME: VALUE}}: {"ok",
+    "tensors": [[name, torch dtype, shape]], "error"} (see tests/vllm_oracle/stream_runai.py)."""
+    jobs = [{"paths": [str(path) for path in job["paths"]], "env": dict(job.get("env", {}))} for job in jobs]
+    return _run_jobs("stream_runai.py", jobs, "results", timeout)
+
+
+def pooling_config_many(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """vLLM's `get_pooling_config` per local folder: {"pooling": {key: str(value)} or None, "error"}."""
+    return _run_jobs("pooling_config.py", [str(folder) for folder in folders], "results", timeout)

@@ -82,12 +82,12 @@ class FailingWrites:
         if self.fail_at is not None and self.writes >= self.fail_at:
             raise RemoteError("/dest: no space left on device")
 
-    def put(self, key: str, data: bytes, metadata: Any = None) -> Any:
+    def put(self, key: str, data: bytes, metadata: Any = None, content_type: Any = None) -> Any:
         self.write()
-        return self.inner.put(key, data, metadata)
+        return self.inner.put(key, data, metadata, content_type)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata)
+    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
         outer = self
 
         class Upload:
@@ -98,9 +98,9 @@ class FailingWrites:
                 outer.write()
                 upload.upload_part(index, data)
 
-            def complete(self) -> Any:
+            def complete(self, metadata: Any = None) -> Any:
                 outer.write()
-                return upload.complete()
+                return upload.complete(metadata)
 
         return Upload()
 

@@ -171,9 +171,10 @@ def test_hub_to_every_destination(fake_hub: Any, any_root: str) -> None:
     replan, rerun = transfer("hf://org/llama", any_root)
     assert {f.action for f in replan.files} == {"skip"}
     assert rerun.bytes_copied == 0
-    # Planning reads config.json (auto_map) and the index (which shards are live); no weights.
+    # Planning reads config.json (auto_map), tokenizer_config.json (what it references) and the index
+    # (which shards are live); no weights.
     assert fake_hub.count("-of-00002.safetensors", method="GET") == 0
-    assert fake_hub.count("/resolve/", method="GET") == 2
+    assert fake_hub.count("/resolve/", method="GET") == 3
 
 
 def test_bucket_to_bucket_uses_stored_checksums(fake_hub: Any, s3_root: str, gs_root: str) -> None:

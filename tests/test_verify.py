@@ -234,11 +234,12 @@ def test_shard_rules_become_findings(location: Location, corrupt: Any, code: str
     assert {finding.file for finding in report.errors} == {SHARD_1}
 
 
-def test_a_shard_without_tensors_is_an_error(location: Location) -> None:
+def test_a_shard_without_tensors_is_a_warning(location: Location) -> None:
     write_hf_checkpoint(location)
     write_tensor_file(location, "model-00003-of-00002.safetensors", [])
     report = run(location)
     assert findings_of(report, "empty-shard") == [("model-00003-of-00002.safetensors", None)]
+    assert "empty-shard" in warning_codes(report) and "empty-shard" not in error_codes(report)
 
 
 def test_repeated_findings_are_capped_per_code_and_file(location: Location) -> None:
@@ -563,7 +564,7 @@ def test_empty_part_file(location: Location) -> None:
     write_tensor_file(location, "model-rank-0-part-2.safetensors", [])
     report = run(location)
     assert findings_of(report, "empty-shard") == [("model-rank-0-part-2.safetensors", None)]
-    assert error_codes(report) == ["empty-shard"]
+    assert error_codes(report) == [] and warning_codes(report) == ["empty-shard"]
 
 
 def test_tensor_twice_within_one_rank(location: Location) -> None:

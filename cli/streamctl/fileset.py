@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import posixpath
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from streamctl.errors import NotFoundError
+
+if TYPE_CHECKING:
+    from streamctl.storage.base import Location
 
 from streamctl.progress import Progress
 from streamctl.storage.base import ListingNote, Location
@@ -46,6 +53,26 @@ OTHER_WEIGHT_FORMATS = {
 }
 
 
+# Configs whose contents name other files the model needs: sentence-transformers modules, custom code
+# (`auto_map`, also for tokenizers and processors), tokenizer side files. Read before choosing files.
+REFERENCING_CONFIGS = (
+    "config.json",
+    "modules.json",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "feature_extractor_config.json",
+    "image_processor_config.json",
+    "sentence_bert_config.json",
+    "config_sentence_transformers.json",
+)
+MAX_REFERENCING_CONFIG_BYTES = 10_000_000
+# transformers loads every template in this folder next to chat_template.jinja, unasked.
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates/"
+_MAX_REFERENCE_DEPTH = 8  # how deep into a config's JSON file names are looked for
+
+
 @dataclass(frozen=True)
 class Selection:
     path: str
@@ -64,9 +91,106 @@ def is_tokenizer_file(name: str) -> bool:
     return name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja"))
 
 
-def _default_selection(path: str, has_auto_map: bool, indexed_shards: frozenset[str] | None) -> Selection:
+def _module_path(reference: str) -> str | None:
+    """`configuration_x.XConfig` or `models.x.Y` -> the `.py` file; None for code in another repo (`org/repo--m.C`)."""
+    if "--" in reference or "." not in reference:
+        return None
+    module = reference.rsplit(".", 1)[0]
+    path = module.replace(".", "/") + ".py"
+    return path if is_safe_relative_path(path) else None
+
+
+def auto_map_files(document: Any) -> list[tuple[str, str]]:
+    """(file, reference) for every `module.Class` an `auto_map` names (values: a string or a list)."""
+    auto_map = document.get("auto_map") if isinstance(document, dict) else None
+    if not isinstance(auto_map, dict):
+        return []
+    found: list[tuple[str, str]] = []
+    for value in auto_map.values():
+        for item in value if isinstance(value, list) else [value]:
+            path = _module_path(item) if isinstance(item, str) else None
+            if path is not None:
+                found.append((path, item))
+    return found
+
+
+def _strings(value: Any, depth: int = 0) -> Iterable[str]:
+    if depth > _MAX_REFERENCE_DEPTH:
+        return
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _strings(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item, depth + 1)
+
+
+def config_references(documents: Mapping[str, Any], paths: Iterable[str]) -> dict[str, str]:
+    """Every file of `paths` that the model's own configs point to, with why: path -> reason.
+
+    `documents` holds the parsed JSON of the REFERENCING_CONFIGS present. Covered: the sentence-transformers
+    module folders `modules.json` lists (`1_Pooling/`, `2_Dense/`, ...: vLLM reads the pooling from them),
+    the code every `auto_map` names (config, tokenizer, processor), any file a config names by its path
+    (`tokenizer_file`, `vocab_file`, ...), and `additional_chat_templates/`.
+    """
+    available = set(paths)
+    references: dict[str, str] = {}
+    modules = documents.get("modules.json")
+    for module in modules if isinstance(modules, list) else []:
+        folder = module.get("path") if isinstance(module, dict) else None
+        if not isinstance(folder, str) or not folder.strip("/") or not is_safe_relative_path(folder.strip("/")):
+            continue
+        prefix = folder.strip("/") + "/"
+        inside = sorted(path for path in available if path.startswith(prefix))
+        has_safetensors = any(path.endswith(".safetensors") for path in inside)
+        kind = module.get("type") if isinstance(module.get("type"), str) else "module"
+        for path in inside:
+            if has_safetensors and posixpath.splitext(path)[1].lower() in OTHER_WEIGHT_FORMATS:
+                continue  # the module's safetensors are loaded; its pickle copy is not
+            references.setdefault(path, f"{kind} module named by modules.json")
+    for config_name, document in sorted(documents.items()):
+        for path, reference in auto_map_files(document):
+            if path in available:
+                references.setdefault(path, f"custom code: auto_map in {config_name} names {reference}")
+        for value in _strings(document):
+            weights = posixpath.splitext(value)[1].lower() in OTHER_WEIGHT_FORMATS
+            if value in available and value != config_name and not weights and is_safe_relative_path(value):
+                references.setdefault(value, f"named by {config_name}")
+    for path in available:
+        if path.startswith(CHAT_TEMPLATES_FOLDER) and path.endswith((".jinja", ".json")):
+            references.setdefault(path, "chat template (transformers loads this folder)")
+    return references
+
+
+def read_config_references(
+    location: Location, sizes: Mapping[str, int], known: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """`config_references` for a listing (`sizes`: relative path -> bytes): reads each referencing config
+    present (small JSON) from `location`, except those in `known` (already parsed by the caller). A config
+    that is not JSON points to nothing."""
+    documents: dict[str, Any] = dict(known or {})
+    for name in REFERENCING_CONFIGS:
+        size = sizes.get(name)
+        if name in documents or size is None or size > MAX_REFERENCING_CONFIG_BYTES:
+            continue
+        try:
+            documents[name] = json.loads(location.store.read_range(location.key(name), 0, size))
+        except (ValueError, UnicodeDecodeError, NotFoundError):
+            continue  # gone since the listing, or not JSON: it points to nothing
+    return config_references(documents, sizes)
+
+
+def _default_selection(
+    path: str, has_auto_map: bool, indexed_shards: frozenset[str] | None, referenced: Mapping[str, str]
+) -> Selection:
     name = posixpath.basename(path)
     suffix = posixpath.splitext(name)[1].lower()
+    # What the configs point to, except git metadata, manifests and top-level weights (the index decides those).
+    top_level_weights = "/" not in path and name.endswith(".safetensors")
+    if path in referenced and name != MANIFEST_NAME and not path.startswith(".git/") and not top_level_weights:
+        return Selection(path, True, referenced[path])
     if path.startswith("original/"):
         return Selection(path, False, "Meta original/ weights (vLLM does not use them)")
     if name == ".gitattributes" or path.startswith(".git/"):
@@ -89,7 +213,7 @@ def _default_selection(path: str, has_auto_map: bool, indexed_shards: frozenset[
         return Selection(path, True, "checkpoint index")
     if name in CONFIG_FILES:
         return Selection(path, True, "model config")
-    if is_tokenizer_file(name):
+    if is_tokenizer_file(name) or suffix == ".model":
         return Selection(path, True, "tokenizer")
     if suffix == ".json":
         return Selection(path, True, "config (vLLM pulls every *.json)")
@@ -109,6 +233,7 @@ def select_files(
     *,
     has_auto_map: bool,
     indexed_shards: frozenset[str] | None = None,
+    referenced: Mapping[str, str] | None = None,
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     all_files: bool = False,
@@ -117,13 +242,14 @@ def select_files(
 
     `indexed_shards` is the set of shard names the (HF) index names, when there is one: other top-level
     safetensors are left out because vLLM loads every top-level safetensors it finds in a bucket.
+    `referenced` (from `config_references`) selects what the model's configs point to, sub-folders included.
     """
     selections = []
     for path in sorted(paths):
         if all_files:
             choice = Selection(path, path != MANIFEST_NAME, "--all-files")
         else:
-            choice = _default_selection(path, has_auto_map, indexed_shards)
+            choice = _default_selection(path, has_auto_map, indexed_shards, referenced or {})
         if include and _matches(path, include) and not choice.selected:
             choice = Selection(path, True, "--include")
         if exclude and _matches(path, exclude):
@@ -132,15 +258,18 @@ def select_files(
     return selections
 
 
-def select_serving_files(paths: Iterable[str], *, has_auto_map: bool) -> list[str]:
+def select_serving_files(
+    paths: Iterable[str], *, has_auto_map: bool, referenced: Mapping[str, str] | None = None
+) -> list[str]:
     """The files `shard` copies next to the sharded weights: what vLLM needs to serve (config, generation
-    config, tokenizer, custom code when auto_map names it), without the source's weights and its now-stale
-    index (`shard` writes its own weights), `original/`, sub-folders, or any streamctl manifest."""
+    config, tokenizer, custom code when auto_map names it, what the configs reference such as
+    sentence-transformers module folders), without the source's top-level weights and its now-stale index
+    (`shard` writes its own weights), `original/`, other sub-folders, or any streamctl manifest."""
     return [
         selection.path
-        for selection in select_files(paths, has_auto_map=has_auto_map)
+        for selection in select_files(paths, has_auto_map=has_auto_map, referenced=referenced)
         if selection.selected
-        and not selection.path.endswith((".safetensors", ".safetensors.index.json"))
+        and not ("/" not in selection.path and selection.path.endswith((".safetensors", ".safetensors.index.json")))
         and not selection.path.startswith("streamctl-")
     ]
 

@@ -464,6 +464,8 @@ def render_shard_result(result: ShardResult) -> None:
         removed += f"; left {plural(foreign, 'file')} streamctl did not write"
     if result.discarded:
         removed += f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run"
+    if result.skipped:
+        removed += f"; {plural(len(result.skipped), 'rank file')} unchanged since the previous run (skipped)"
     print_phrases(console, [
         f"[bold green]done[/] {escape(plan.dest)}", f"({escape(layout)},", f"engine {result.engine}):",
         f"{plural(len(result.files), 'weight file')} and", f"{plural(len(result.copied), 'serving file')}{removed};",

@@ -66,6 +66,7 @@ from streamctl.errors import (
 from streamctl.fileset import (
     SHARD_MANIFEST_NAME,
     listing_notes,
+    read_config_references,
     log_notes,
     notes_to_json,
     select_serving_files,
@@ -293,6 +294,10 @@ class ShardPlan:
     stale: tuple[str, ...]  # DEST files earlier streamctl runs wrote that --force removes (see streamctl.ownership)
     tied_lm_head: SourceTensor | None  # the checkpoint's own lm_head when config says tied: must equal embed
     left_alone: tuple[LeftAlone, ...] = ()  # DEST files this run neither writes nor removes
+    # (path, size, etag) of every source weight file: a re-run may reuse DEST files only if none changed.
+    source_files: tuple[tuple[str, int, str | None], ...] = ()
+    # DEST rank files a completed earlier run of this same plan left, unchanged: path -> their sha256.
+    reused: Mapping[str, str] = field(default_factory=dict)
 
     def files(self) -> list[PlannedFile]:
         return [file for stage in self.stages for file in stage_files(self, stage)]
@@ -353,6 +358,7 @@ class ShardResult:
     reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
     notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
+    skipped: tuple[str, ...] = ()  # rank files already in DEST from an identical earlier run, not rewritten
 
     @property
     def ok(self) -> bool:
@@ -390,6 +396,7 @@ class ShardResult:
             "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
             "removed": list(self.removed),
             "left_alone": [item.to_json() for item in self.plan.left_alone],
+            "skipped": list(self.skipped),
             "discarded_uploads": list(self.discarded),
             **notes_to_json(self.notes),
             "bytes_written": self.bytes_written,
@@ -695,20 +702,25 @@ def _check_supported(config: Mapping[str, Any], row: LayoutRow) -> tuple[str, Ar
 @dataclass(frozen=True)
 class _SourceListing:
     sizes: Mapping[str, int]  # every object, by path relative to the source
+    etags: Mapping[str, str | None] = field(default_factory=dict)
 
 
-def _serving_files(listing: _SourceListing, config: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
-    """(path, size) of what DEST gets beside the weights (config, tokenizer, custom code when auto_map)."""
-    paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")))
+def _serving_files(
+    source: Location, listing: _SourceListing, config: Mapping[str, Any]
+) -> tuple[tuple[str, int], ...]:
+    """(path, size) of what DEST gets beside the weights (config, tokenizer, custom code when auto_map, and
+    what the configs reference, such as sentence-transformers module folders)."""
+    referenced = read_config_references(source, listing.sizes, {"config.json": config} if config else {})
+    paths = select_serving_files(listing.sizes, has_auto_map=bool(config.get("auto_map")), referenced=referenced)
     return tuple((path, listing.sizes[path]) for path in paths)
 
 
 def _list_source(source: Location) -> _SourceListing:
-    sizes = {source.relative(info.key): info.size for info in source.list()}
-    sizes = {name: size for name, size in sizes.items() if name}
-    if not sizes:
+    infos = {source.relative(info.key): info for info in source.list()}
+    infos = {name: info for name, info in infos.items() if name}
+    if not infos:
         raise NotFoundError(f"nothing found under {source.url}")
-    return _SourceListing(sizes)
+    return _SourceListing({name: info.size for name, info in infos.items()}, {name: info.etag for name, info in infos.items()})
 
 
 def _weight_files(source: Location, listing: _SourceListing) -> list[str]:
@@ -944,16 +956,117 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         dtype=options.dtype,
         max_part_size=options.max_part_size,
         stages=tuple(stages),
-        serving_files=_serving_files(listing, config),
+        serving_files=_serving_files(source, listing, config),
         stale=(),
         tied_lm_head=tensors.get("lm_head.weight") if dims.tied else None,
+        source_files=tuple(
+            (name, listing.sizes[name], listing.etags.get(name)) for name in sorted({t.file for t in tensors.values()})
+        ),
     )
-    cleanup = _check_dest(dest, pattern, _output_names(plan), options.force)
-    return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+    return _plan_dest(dest, plan, options.force)
 
 
 def _output_names(plan: ShardPlan) -> set[str]:
     return {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
+
+
+def _plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
+    """`plan` with what DEST holds decided: without --force, a DEST holding this very plan's completed output
+    (unchanged source) keeps its right rank files and replaces the rest, as transfer does; any other
+    non-empty DEST is refused. With --force, what streamctl wrote there is replaced (see _check_dest)."""
+    rerun = None if force else _same_plan_before(dest, plan)
+    if rerun is None:
+        cleanup = _check_dest(dest, plan.pattern, _output_names(plan), force)
+        return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused={})
+    cleanup = _check_dest(dest, plan.pattern, _output_names(plan), True)
+    return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)
+
+
+def skipped_files(plan: ShardPlan) -> frozenset[str]:
+    """The rank files a re-run leaves as they are: every TP rank of a part reused (they are cut from the
+    same reads, so a part is skipped or written for all ranks together)."""
+    if not plan.reused:
+        return frozenset()
+    skipped: set[str] = set()
+    for stage in plan.stages:
+        files = stage_files(plan, stage)
+        for part_index in range(len(stage.parts)):
+            names = [file.name for file in files if file.part == part_index]
+            if all(name in plan.reused for name in names):
+                skipped.update(names)
+    return frozenset(skipped)
+
+
+def _planned_ranks(plan: ShardPlan) -> list[dict[str, Any]]:
+    """The rank files of `plan` as the manifest lists them, without the sha256 only writing learns."""
+    return [
+        {
+            "path": file.name,
+            "pp_rank": file.pp_rank,
+            "tp_rank": file.tp_rank,
+            "part": file.part,
+            "size": file.size,
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in file.tensors],
+        }
+        for file in plan.files()
+    ]
+
+
+def _same_plan_before(dest: Location, plan: ShardPlan) -> dict[str, str] | None:
+    """When DEST holds the manifest of a completed run of the same plan from the same, unchanged source
+    files: the rank files still there with the planned size and the manifest's sha256 (path -> sha256,
+    possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
+    existing = _list_dest(dest)
+    info = existing.get(SHARD_MANIFEST_NAME)
+    if info is None or info.size > MAX_CONFIG_BYTES or not plan.source_files:
+        return None
+    if any(etag is None for _, _, etag in plan.source_files):
+        return None  # no way to tell that the source did not change
+    try:
+        manifest = json.loads(dest.store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, info.size))
+    except (ValueError, UnicodeDecodeError, NotFoundError):
+        return None
+    if not isinstance(manifest, dict):
+        return None
+    same_settings = all(
+        manifest.get(key) == value
+        for key, value in (
+            ("source", plan.source),
+            ("engine", "offline"),
+            ("tensor_parallel_size", plan.tensor_parallel_size),
+            ("pipeline_parallel_size", plan.pipeline_parallel_size),
+            ("pattern", plan.pattern),
+            ("vllm_version", plan.vllm_version),
+            ("layout", plan.row.label),
+            ("dtype", plan.dtype),
+            ("max_part_size", plan.max_part_size),
+            ("source_files", [list(entry) for entry in plan.source_files]),
+        )
+    )
+    if not same_settings:
+        return None
+    recorded: dict[str, dict[str, Any]] = {}
+    for rank in manifest.get("ranks") or []:
+        for file in (rank.get("files") or []) if isinstance(rank, dict) else []:
+            if isinstance(file, dict) and isinstance(file.get("path"), str):
+                recorded[file["path"]] = {**file, "pp_rank": rank.get("pp_rank"), "tp_rank": rank.get("tp_rank")}
+    planned = _planned_ranks(plan)
+    if sorted(recorded) != sorted(entry["path"] for entry in planned):
+        return None
+    for entry in planned:
+        if any(recorded[entry["path"]].get(key) != value for key, value in entry.items()):
+            return None
+    reused: dict[str, str] = {}
+    for entry in planned:
+        found = existing.get(entry["path"])
+        sha256 = recorded[entry["path"]].get("sha256")
+        if found is None or found.size != entry["size"] or not isinstance(sha256, str):
+            continue
+        if found.metadata.get(SHA256_KEY) is None:
+            found = dest.store.stat(found.key)  # S3 listings carry no user metadata
+        if found.metadata.get(SHA256_KEY) == sha256:
+            reused[entry["path"]] = sha256
+    return reused
 
 
 # =============================================================================================== casting
@@ -1274,12 +1387,24 @@ class _Writer:
     def write_stage(self, stage: StagePlan) -> None:
         tp = self.plan.tensor_parallel_size
         files = stage_files(self.plan, stage)
+        skip = skipped_files(self.plan)
         writers = [ThreadPoolExecutor(1, thread_name_prefix=f"shard-rank{rank}") for rank in range(tp)]
         readers = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-read")
         futures: list[Future[None]] = []
         try:
             for part_index in range(len(stage.parts)):
                 part_files = [file for file in files if file.part == part_index]
+                if all(file.name in skip for file in part_files):
+                    # The TP ranks of one part are cut from the same reads: skipped together, or written together.
+                    for file in part_files:
+                        tensors = tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors)
+                        sha256 = self.plan.reused[file.name]
+                        self.written.append(
+                            WrittenFile(file.name, file.pp_rank, file.tp_rank, file.part, file.size, sha256, tensors)
+                        )
+                        self.progress.log(f"{file.name}: unchanged since the previous run (size and sha256), skipped")
+                    self.progress.advance(self.task, sum(file.size for file in part_files))
+                    continue
                 streams = [self._open(file) for file in part_files]
                 for rank, stream in enumerate(streams):
                     futures.append(self._submit(writers[rank], stream, memoryview(part_files[rank].header), None))
@@ -1435,7 +1560,8 @@ def _commit(streams: Sequence[PartStream], dest: Location, policy: RetryPolicy, 
     completed: list[PartStream] = []
 
     def complete_and_record(stream: PartStream) -> None:
-        with_retries(stream.upload.complete, policy)
+        # The sha256 is known only now: every object streamctl writes carries it (re-runs compare it).
+        with_retries(partial(stream.upload.complete, {SHA256_KEY: stream.digest.hexdigest()}), policy)
         completed.append(stream)  # in the same shielded call: the clean-up below must see it
 
     try:
@@ -1742,6 +1868,7 @@ def write_manifest(dest: Location, result: ShardResult) -> None:
         "layout": plan.row.label,
         "dtype": plan.dtype,
         "max_part_size": plan.max_part_size,
+        "source_files": [list(entry) for entry in plan.source_files],
         "ranks": [
             {
                 "pp_rank": pp_rank,
@@ -1886,8 +2013,7 @@ def shard_checkpoint(
         )
     with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
         # Planning ran before the lease: another run may have written here since.
-        cleanup = _check_dest(dest, plan.pattern, _output_names(plan), options.force)
-        plan = replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+        plan = _plan_dest(dest, plan, options.force)
         return _shard_offline(source, lease.fenced(dest), options, progress, plan, started, lease, notes)
 
 
@@ -1925,6 +2051,7 @@ def _shard_offline(
         reconstruction,
         discarded,
         notes,
+        tuple(sorted(skipped_files(plan))),
     )
     return _record(dest, result, lease)
 
@@ -2039,7 +2166,7 @@ def shard_with_vllm(
     notes = listing_notes(source)
     log_notes(notes, progress)
     config = _read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
-    serving = _serving_files(listing, config)
+    serving = _serving_files(source, listing, config)
     with hold_lease(dest, f"streamctl shard {source_id or source.url}", progress) as lease:
         return _shard_with_vllm_leased(
             source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, serving,

@@ -40,6 +40,7 @@ from streamctl.fileset import (
     Selection,
     is_safe_relative_path,
     listing_notes,
+    read_config_references,
     notes_to_json,
     select_files,
 )
@@ -346,10 +347,14 @@ def plan_transfer(
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if isinstance(weight_map, dict):
             indexed_shards = frozenset(str(name) for name in weight_map.values())
+    sizes = {path: info.size for path, info in listing.items()}
+    known = {"config.json": config} if config is not None else {}
+    referenced = {} if options.all_files else read_config_references(source, sizes, known)
     selections = select_files(
         listing,
         has_auto_map=has_auto_map,
         indexed_shards=indexed_shards,
+        referenced=referenced,
         include=options.include,
         exclude=options.exclude,
         all_files=options.all_files,

@@ -39,7 +39,9 @@ Finding codes
 | `file-trailing-bytes` | error | the object has bytes after the last tensor (rule 9) |
 | `object-vanished` | error | an object in the listing was gone when read |
 | `object-changed` | error | an object was shorter when read than the listing said |
-| `empty-shard` | error | a `.safetensors` file holds no tensors (the streamer fails on it) |
+| `empty-shard` | warning | a `.safetensors` file holds no tensors; vLLM 0.33 and the streamer 0.17 load it (vLLM's own sharded save writes one) |
+| `streamer-unsupported-dtype` | warning (error for `serve`) | a dtype the Run:ai streamer 0.17 cannot read: F8_E4M3FNUZ, F8_E5M2FNUZ, F6_E2M3, F6_E3M2 |
+| `streamer-size-mismatch` | warning (error for `serve`) | the streamer 0.17 sizes the tensor differently from the file (F4: one byte per element, not 4 bits) and refuses it |
 | `index-missing` | error | the index named with `--index` does not exist |
 | `index-too-large` | error | the index is over 100,000,000 bytes |
 | `index-invalid` | error | the index is not UTF-8 JSON like `{"metadata": {...}, "weight_map": {tensor: file}}` |
@@ -61,7 +63,7 @@ Finding codes
 | `tokenizer-missing` | warning | no tokenizer (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
 | `remote-code-missing` | warning | `auto_map` in `config.json` names a `.py` file that is not there |
 | `entry-skipped` | warning | a FIFO, socket, device, or a symbolic link that dangles, loops or leads out of the folder: not read (local folders) |
-| `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up |
+| `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up; files the model's configs reference (`modules.json` folders such as `1_Pooling/`, `auto_map` code) are not counted |
 | `expect-violated` | error | a tensor matching an `--expect` GLOB lives outside its FILEs |
 | `expect-no-match` | error | an `--expect` GLOB matches no tensor |
 | `sharded-pattern-invalid` | error | the sharded pattern breaks vLLM 0.33's rules at the detected TP/PP sizes |
@@ -96,7 +98,7 @@ from streamctl.errors import NotFoundError, UsageError
 from streamctl.fileset import SHARD_MANIFEST_NAME
 from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
 from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
-from streamctl.fileset import listing_notes
+from streamctl.fileset import listing_notes, read_config_references
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
@@ -120,6 +122,7 @@ from streamctl.sharded import (
     validate_pattern,
 )
 from streamctl.storage.base import Location
+from streamctl.streamer_compat import streamer_problem
 
 Severity = Literal["error", "warning"]
 Layout = Literal["indexed", "single", "sharded"]
@@ -188,6 +191,8 @@ class VerifyOptions:
     pattern: str | None = None
     concurrency: int = 16
     speculative_bytes: int = DEFAULT_SPECULATIVE_BYTES
+    # True for `serve`'s pre-flight: what the Run:ai streamer refuses is an error, not a warning.
+    for_streamer: bool = False
 
 
 @dataclass(frozen=True)
@@ -395,6 +400,7 @@ def verify_checkpoint(
     for shard in shards:
         reads.add(shard.requests, shard.bytes_read)
         _report_shard(shard, findings)
+        _check_streamer_readable(shard, "error" if options.for_streamer else "warning", findings)
 
     if sharded_pattern is not None:
         _check_sharded(sharded_pattern, options, shards, listing, findings)
@@ -408,7 +414,9 @@ def verify_checkpoint(
             )
         _check_consolidated_mix(safetensors_names, findings)
     _check_expectations(options.expectations, shards, index, findings)
-    _check_serving_files(listing, safetensors_names, config_data, findings)
+    # Sub-folders the model's configs name (sentence-transformers modules, custom code) are needed, not stray.
+    referenced = read_config_references(location, listing.sizes) if listing.subfolders else {}
+    _check_serving_files(listing, safetensors_names, config_data, referenced, findings)
 
     stats = VerifyStats(
         files=len(shards),
@@ -640,7 +648,20 @@ def _report_shard(shard: _Shard, findings: _Findings) -> None:
         severity = next(problem.severity for problem in shard.header.problems if problem.code == code)
         findings.add_unkept(severity, code, shard.name, count)
     if shard.complete and not shard.header.tensors:
-        findings.error("empty-shard", shard.name, "no tensors; the Run:ai streamer fails on a file without tensors")
+        # Measured: the streamer 0.17 loads it at every memory limit, concurrency and in distributed mode.
+        findings.warning(
+            "empty-shard", shard.name, "no tensors; vLLM and the Run:ai streamer load it, but it holds nothing"
+        )
+
+
+def _check_streamer_readable(shard: _Shard, severity: Severity, findings: _Findings) -> None:
+    """Tensors the Run:ai streamer 0.17 refuses though the safetensors format allows them."""
+    if shard.header is None:
+        return
+    for tensor in shard.header.tensors:
+        problem = streamer_problem(tensor)
+        if problem is not None:
+            findings.add(severity, problem.code, shard.name, printable(tensor.name), problem.message)
 
 
 def _tensor_locations(shards: Iterable[_Shard]) -> dict[str, list[str]]:
@@ -945,7 +966,11 @@ def _check_rank_tensors(
 
 
 def _check_serving_files(
-    listing: _Listing, safetensors_names: Sequence[str], config_data: bytes | None, findings: _Findings
+    listing: _Listing,
+    safetensors_names: Sequence[str],
+    config_data: bytes | None,
+    referenced: Mapping[str, str],
+    findings: _Findings,
 ) -> None:
     """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders."""
     top = listing.top_level
@@ -961,7 +986,13 @@ def _check_serving_files(
             "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, ...); "
             "serve with --tokenizer pointing elsewhere, or upload them",
         )
-    for folder, (objects, total) in sorted(listing.subfolders.items()):
+    unreferenced: dict[str, tuple[int, int]] = {}
+    for name, size in listing.sizes.items():
+        folder, separator, _ = name.partition("/")
+        if separator and name not in referenced:
+            objects, total = unreferenced.get(folder, (0, 0))
+            unreferenced[folder] = (objects + 1, total + size)
+    for folder, (objects, total) in sorted(unreferenced.items()):
         findings.warning(
             "subfolder-pulled",
             f"{folder}/",

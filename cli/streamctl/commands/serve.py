@@ -171,6 +171,7 @@ def command(
                     pattern=pattern,
                     expectations=expectations,
                     tensor_parallel_size=tensor_parallel_size if sharded or pattern else None,
+                    for_streamer=True,
                 ),
                 progress,
             )

@@ -47,7 +47,7 @@ from streamctl.storage._errors import (
     strip_etag,
     to_error,
 )
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -71,7 +71,6 @@ _BAD_CREDENTIAL_CODES = frozenset(
 )
 # Azure metadata names become HTTP headers and must be C# identifiers: no '-', no '.'.
 _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_CONTENT = ContentSettings(content_type="application/octet-stream")
 
 
 def _error_code(error: aexc.HttpResponseError) -> str:
@@ -234,6 +233,7 @@ class AzureMultipartUpload:
     part_size: int
     nonce: str
     metadata: dict[str, str]
+    content_type: str
     _sizes: dict[int, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completed" or "aborted"
@@ -248,11 +248,13 @@ class AzureMultipartUpload:
         with self._lock:
             self._sizes[index] = len(data)
 
-    def complete(self) -> ObjectInfo:
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         with self._lock:
             if self._state != "open":
                 raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
             sizes = dict(self._sizes)
+        if metadata:
+            self.metadata = {**self.metadata, **_check_metadata(metadata, self.store.url(self.key))}
         indices = sorted(sizes)
         if indices != list(range(len(indices))):
             missing = sorted(set(range(indices[-1] + 1)) - set(indices))
@@ -261,7 +263,7 @@ class AzureMultipartUpload:
             response = self.store._blob(self.key).commit_block_list(
                 [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
                 metadata=self.metadata,
-                content_settings=_CONTENT,
+                content_settings=ContentSettings(content_type=self.content_type),
             )
         with self._lock:
             self._state = "completed"
@@ -358,21 +360,26 @@ class AzureStore:
                     return b""  # the range starts at or after the end of the blob
                 raise
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
         metadata = _check_metadata(metadata or {}, self.url(key))
+        settings = ContentSettings(content_type=content_type or content_type_for(key))
         with self._guard(Op.WRITE, key):
             response = self._blob(key).upload_blob(
-                data, overwrite=True, metadata=metadata, content_settings=_CONTENT, length=len(data)
+                data, overwrite=True, metadata=metadata, content_settings=settings, length=len(data)
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("etag")), metadata)
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> AzureMultipartUpload:
         if part_size > self.max_block_size:
             raise UsageError(f"part size {part_size} exceeds Azure's block limit of {self.max_block_size}")
         metadata = _check_metadata(metadata or {}, self.url(key))
-        return AzureMultipartUpload(self, key, part_size, uuid.uuid4().hex[:8], metadata)
+        return AzureMultipartUpload(
+            self, key, part_size, uuid.uuid4().hex[:8], metadata, content_type or content_type_for(key)
+        )
 
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
@@ -417,7 +424,7 @@ class AzureStore:
         with self._conditional(key, Op.WRITE):
             # overwrite=False is the SDK's If-None-Match: * on Put Blob.
             response = self._blob(key).upload_blob(
-                data, overwrite=False, metadata=metadata, content_settings=_CONTENT, length=len(data)
+                data, overwrite=False, metadata=metadata, content_settings=ContentSettings(content_type=content_type_for(key)), length=len(data)
             )
         return str(response["etag"])
 
@@ -433,7 +440,7 @@ class AzureStore:
         metadata = _check_metadata(metadata or {}, self.url(key))
         with self._conditional(key, Op.WRITE):
             response = self._blob(key).upload_blob(
-                data, overwrite=True, metadata=metadata, content_settings=_CONTENT, length=len(data),
+                data, overwrite=True, metadata=metadata, content_settings=ContentSettings(content_type=content_type_for(key)), length=len(data),
                 etag=version, match_condition=MatchConditions.IfNotModified,
             )  # fmt: skip
         return str(response["etag"])

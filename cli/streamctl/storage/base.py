@@ -7,7 +7,9 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 
 from __future__ import annotations
 
+import mimetypes
 import os
+import posixpath
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -62,6 +64,38 @@ def parse_temporary_key(key: str, tail_segments: int = 0) -> TemporaryName | Non
     return TemporaryName(final_key, parts[at + 1], "/".join(parts[: at + 2]))
 
 
+BINARY_CONTENT_TYPE = "application/octet-stream"
+# Model-repo suffixes the mimetypes table gets wrong or lacks; the rest come from Python's built-in table
+# (not the host's /etc/mime.types, so every machine writes the same type).
+_CONTENT_TYPES = {
+    ".json": "application/json",
+    ".safetensors": BINARY_CONTENT_TYPE,
+    ".model": BINARY_CONTENT_TYPE,  # sentencepiece
+    ".bin": BINARY_CONTENT_TYPE,
+    ".pt": BINARY_CONTENT_TYPE,
+    ".pth": BINARY_CONTENT_TYPE,
+    ".gguf": BINARY_CONTENT_TYPE,
+    ".txt": "text/plain",
+    ".jinja": "text/plain",
+    ".tiktoken": "text/plain",
+    ".vocab": "text/plain",
+    ".md": "text/markdown",
+    ".py": "text/x-python",
+    ".yaml": "application/yaml",
+    ".yml": "application/yaml",
+}
+_BUILTIN_TYPES = mimetypes.MimeTypes(filenames=())
+
+
+def content_type_for(key: str) -> str:
+    """The Content-Type an object named `key` is stored with: by suffix, application/octet-stream if unknown."""
+    suffix = posixpath.splitext(key)[1].lower()
+    if suffix in _CONTENT_TYPES:
+        return _CONTENT_TYPES[suffix]
+    guessed, encoding = _BUILTIN_TYPES.guess_type(posixpath.basename(key) or "x", strict=True)
+    return guessed if guessed and encoding is None else BINARY_CONTENT_TYPE
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     key: str
@@ -84,7 +118,10 @@ class MultipartUpload(Protocol):
         """
         ...
 
-    def complete(self) -> ObjectInfo: ...
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        """Make the object visible. `metadata` is added to start_multipart's: what is known only once every
+        byte was written (the sha256 a writer computed in flight)."""
+        ...
 
     def abort(self) -> None:
         """Discard every part sent; safe to call twice or after a failure."""
@@ -132,10 +169,14 @@ class Store(Protocol):
         """Bytes [start, start+length) of the object; fewer when the object ends first."""
         ...
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo: ...
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
+        """Write a whole object. `content_type` None: `content_type_for(key)` (also for every call below)."""
+        ...
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> MultipartUpload: ...
 
     def delete(self, key: str) -> None:

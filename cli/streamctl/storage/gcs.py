@@ -53,6 +53,7 @@ from streamctl.storage.base import (
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,
+    content_type_for,
     new_temporary_token,
     parse_temporary_key,
     temporary_key,
@@ -79,7 +80,7 @@ HINTS = ServiceHints(
 COMPOSE_LIMIT = 32  # sources per compose request
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_EMULATOR_PROJECT = "streamctl-emulator"
-_CONTENT_TYPE = "application/octet-stream"
+_PART_CONTENT_TYPE = "application/octet-stream"  # temporary part objects; the final object gets its own
 _RETRYABLE = (
     gexc.TooManyRequests,
     gexc.InternalServerError,
@@ -170,6 +171,7 @@ class GCSMultipartUpload:
     part_size: int
     upload_id: str
     metadata: dict[str, str]
+    content_type: str
     _sizes: dict[int, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completing", "completed" or "aborted"
@@ -189,7 +191,7 @@ class GCSMultipartUpload:
             raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
         if not 0 <= index < self.store.max_parts:
             raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
-        self.store._upload(self.part_name(index), data, None, report_key=self.key)
+        self.store._upload(self.part_name(index), data, None, _PART_CONTENT_TYPE, report_key=self.key)
         with self._lock:
             self._sizes[index] = len(data)
             aborted = self._state == "aborted"
@@ -197,11 +199,12 @@ class GCSMultipartUpload:
             # abort() ran while this part was in flight and may have missed it.
             self.store._delete_quietly([self.part_name(index)])
 
-    def complete(self) -> ObjectInfo:
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         with self._lock:
             if self._state != "open":
                 raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
             self._state = "completing"
+            self.metadata = {**self.metadata, **lower_keys(metadata)}
             sizes = dict(self._sizes)
         try:
             indices = sorted(sizes)
@@ -209,7 +212,7 @@ class GCSMultipartUpload:
                 missing = sorted(set(range(indices[-1] + 1)) - set(indices))
                 raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
             if not indices:
-                info = self.store.put(self.key, b"", self.metadata)
+                info = self.store.put(self.key, b"", self.metadata, self.content_type)
             else:
                 info = self._compose_tree([self.part_name(index) for index in indices])
         except BaseException:
@@ -227,11 +230,11 @@ class GCSMultipartUpload:
             groups = [names[i : i + COMPOSE_LIMIT] for i in range(0, len(names), COMPOSE_LIMIT)]
             targets = [f"{self.temporary_prefix}c{level}-{j:05d}" for j in range(len(groups))]
             self.store._parallel(
-                lambda pair: self.store._compose(pair[0], pair[1], None, report_key=self.key),
+                lambda pair: self.store._compose(pair[0], pair[1], None, _PART_CONTENT_TYPE, report_key=self.key),
                 list(zip(groups, targets)),
             )
             names, level = targets, level + 1
-        blob = self.store._compose(names, self.key, self.metadata, report_key=self.key)
+        blob = self.store._compose(names, self.key, self.metadata, self.content_type, report_key=self.key)
         return self.store._info(self.key, blob)
 
     def _cleanup(self) -> None:
@@ -354,21 +357,29 @@ class GCSStore:
             except gexc.RequestRangeNotSatisfiable:
                 return b""  # the range starts at or after the end of the object
 
-    def _upload(self, name: str, data: bytes, metadata: Mapping[str, str] | None, *, report_key: str) -> Any:
+    def _upload(
+        self, name: str, data: bytes, metadata: Mapping[str, str] | None, content_type: str, *, report_key: str
+    ) -> Any:
         with self._guard(Op.WRITE, report_key):
             blob = self._bucket.blob(name)
             if metadata:
                 blob.metadata = dict(metadata)
-            blob.upload_from_string(data, content_type=_CONTENT_TYPE, retry=self._retry())
+            blob.upload_from_string(data, content_type=content_type, retry=self._retry())
             return blob
 
     def _compose(
-        self, sources: list[str], target: str, metadata: Mapping[str, str] | None, *, report_key: str
+        self,
+        sources: list[str],
+        target: str,
+        metadata: Mapping[str, str] | None,
+        content_type: str,
+        *,
+        report_key: str,
     ) -> Any:
         with self._guard(Op.WRITE, report_key):
             bucket = self._bucket
             blob = bucket.blob(target)
-            blob.content_type = _CONTENT_TYPE
+            blob.content_type = content_type
             if metadata:
                 blob.metadata = dict(metadata)
             # Retrying is safe: composing the same sources into the same name again gives the same bytes.
@@ -394,15 +405,19 @@ class GCSStore:
             self._parallel(delete, names)
         return failed
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
-        blob = self._upload(key, data, lower_keys(metadata), report_key=key)
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
+        blob = self._upload(key, data, lower_keys(metadata), content_type or content_type_for(key), report_key=key)
         return self._info(key, blob)
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> GCSMultipartUpload:
         # Nothing to create on the server: parts are independent objects until complete() composes them.
-        return GCSMultipartUpload(self, key, part_size, new_temporary_token(), lower_keys(metadata))
+        return GCSMultipartUpload(
+            self, key, part_size, new_temporary_token(), lower_keys(metadata), content_type or content_type_for(key)
+        )
 
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
@@ -427,7 +442,10 @@ class GCSStore:
                     started[upload] = min(first, blob.time_created) if first else blob.time_created
         return [
             UnfinishedUpload(
-                key, size, GCSMultipartUpload(self, key, 0, upload_id, {}).abort, started.get((key, upload_id))
+                key,
+                size,
+                GCSMultipartUpload(self, key, 0, upload_id, {}, _PART_CONTENT_TYPE).abort,
+                started.get((key, upload_id)),
             )
             for (key, upload_id), size in sorted(stored.items())
         ]
@@ -454,7 +472,7 @@ class GCSStore:
             if metadata:
                 blob.metadata = lower_keys(metadata)
             blob.upload_from_string(
-                data, content_type=_CONTENT_TYPE, if_generation_match=generation, retry=self._retry()
+                data, content_type=content_type_for(key), if_generation_match=generation, retry=self._retry()
             )
             return str(blob.generation)
 

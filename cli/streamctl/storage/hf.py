@@ -293,10 +293,14 @@ class HfStore:
 
     # -- writing: refused --------------------------------------------------------------------------------------
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> NoReturn:
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> NoReturn:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
 
-    def start_multipart(self, key: str, part_size: int, metadata: Mapping[str, str] | None = None) -> NoReturn:
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> NoReturn:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
 
     def delete(self, key: str) -> NoReturn:

@@ -42,11 +42,15 @@ from streamctl.storage.base import (
     StorageOptions,
     TemporaryName,
     UnfinishedUpload,
+    content_type_for,
     new_temporary_token,
     parse_temporary_key,
     temporary_key,
 )
 from streamctl.storage.url import ParsedURL
+
+# Where files keep their Content-Type: the freedesktop.org shared-mime-info attribute (file managers read it).
+MIME_TYPE_XATTR = "user.mime_type"
 
 _XATTR_PREFIX = "user.streamctl."
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -96,10 +100,13 @@ def _read_metadata(target: Path | str | int) -> dict[str, str]:
     return metadata
 
 
-def _write_metadata(target: int, metadata: Mapping[str, str] | None) -> None:
-    for name, value in (metadata or {}).items():
+def _write_metadata(target: int | Path, metadata: Mapping[str, str] | None, content_type: str | None = None) -> None:
+    attributes = {_XATTR_PREFIX + name.lower(): value for name, value in (metadata or {}).items()}
+    if content_type:
+        attributes[MIME_TYPE_XATTR] = content_type
+    for name, value in attributes.items():
         try:
-            os.setxattr(target, _XATTR_PREFIX + name.lower(), value.encode())
+            os.setxattr(target, name, value.encode())
         except (OSError, AttributeError):
             return  # no xattr support here: metadata is an optimisation, not a requirement
 
@@ -254,6 +261,7 @@ class LocalMultipartUpload:
     _parent_fd: int  # the final name's folder, opened without following links
     _token_fd: int  # .streamctl-tmp/TOKEN inside it, which holds the file under its final name
     _fd: int | None
+    content_type: str | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completed" or "aborted"
 
@@ -284,14 +292,16 @@ class LocalMultipartUpload:
         except OSError as error:
             raise _map_os_error(error, self.final_path) from None
 
-    def complete(self) -> ObjectInfo:
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        if metadata:
+            self.metadata = {**self.metadata, **metadata}
         name = self.final_path.name
         with self._lock:
             if self._state != "open" or self._fd is None:
                 raise UsageError(f"upload of {self.key} is already finished")
             try:
                 os.fsync(self._fd)
-                _write_metadata(self._fd, self.metadata)
+                _write_metadata(self._fd, self.metadata, self.content_type)
                 os.close(self._fd)
                 self._fd = None
                 # rename() replaces a link at the final name; it never writes where the link points.
@@ -606,8 +616,10 @@ class LocalStore:
             raise
         return fd, parts[-1]
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
-        upload = self.start_multipart(key, max(1, len(data)), metadata)
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
+        upload = self.start_multipart(key, max(1, len(data)), metadata, content_type)
         try:
             upload.upload_part(0, data)
             return upload.complete()
@@ -616,7 +628,7 @@ class LocalStore:
             raise
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> LocalMultipartUpload:
         final = self._path(key)
         parent_fd, name = self._open_parent(key, create=True)
@@ -625,7 +637,9 @@ class LocalStore:
         except BaseException:
             os.close(parent_fd)
             raise
-        return LocalMultipartUpload(key, part_size, final, dict(metadata or {}), token, parent_fd, token_fd, fd)
+        return LocalMultipartUpload(
+            key, part_size, final, dict(metadata or {}), token, parent_fd, token_fd, fd, content_type or content_type_for(key)
+        )
 
     def delete(self, key: str) -> None:
         path = self._path(key)

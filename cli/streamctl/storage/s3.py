@@ -33,8 +33,11 @@ from streamctl.storage._errors import (
     strip_etag,
     to_error,
 )
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
 from streamctl.storage.url import ParsedURL
+
+MAX_COPY_OBJECT_BYTES = 5 * 1024**3  # CopyObject's limit; larger objects are copied in parts
+COPY_PART_BYTES = 1024**3
 
 HINTS = ServiceHints(
     service="S3",
@@ -175,6 +178,7 @@ class S3MultipartUpload:
     upload_id: str
     metadata: dict[str, str]
     checksum_algorithm: str | None = None  # per-part checksum S3 verifies (as boto3's own transfers do)
+    content_type: str | None = None
     _parts: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "aborting", "completed" or "aborted"
@@ -203,7 +207,11 @@ class S3MultipartUpload:
         with self._lock:
             self._parts[index] = (part, len(data))
 
-    def complete(self) -> ObjectInfo:
+    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+        late = {name: value for name, value in lower_keys(metadata).items() if self.metadata.get(name) != value}
+        if late and not self._parts:
+            self.metadata = {**self.metadata, **late}  # an empty object is a plain put: no copy needed
+            late = {}
         with self._lock:
             if self._state != "open":
                 raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
@@ -215,7 +223,7 @@ class S3MultipartUpload:
         if not parts:
             # S3 refuses to complete an upload without parts; an empty object is a plain put.
             self.abort()
-            info = self.store.put(self.key, b"", self.metadata)
+            info = self.store.put(self.key, b"", self.metadata, self.content_type)
             with self._lock:
                 self._state = "completed"
             return info
@@ -229,7 +237,13 @@ class S3MultipartUpload:
         with self._lock:
             self._state = "completed"
         size = sum(length for _, length in parts.values())
-        return ObjectInfo(self.key, size, strip_etag(response.get("ETag")), dict(self.metadata))
+        etag = strip_etag(response.get("ETag"))
+        if late:
+            # S3 fixes user metadata when the upload is created: metadata known only now takes a server-side
+            # copy onto the same key (no bytes through this machine).
+            self.metadata = {**self.metadata, **late}
+            etag = self.store._replace_metadata(self.key, size, self.metadata, self.content_type)
+        return ObjectInfo(self.key, size, etag, dict(self.metadata))
 
     def abort(self) -> None:
         with self._lock:
@@ -337,7 +351,9 @@ class S3Store:
             data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
         return data
 
-    def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
+    def put(
+        self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+    ) -> ObjectInfo:
         metadata = lower_keys(metadata)
         with self._guard(Op.WRITE, key):
             response = self._client.put_object(
@@ -345,24 +361,68 @@ class S3Store:
                 Key=key,
                 Body=data,
                 Metadata=metadata,
-                ContentType="application/octet-stream",
+                ContentType=content_type or content_type_for(key),
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("ETag")), metadata)
 
+    def _replace_metadata(self, key: str, size: int, metadata: dict[str, str], content_type: str | None) -> str | None:
+        """Rewrite `key` onto itself with new user metadata; the new ETag. Multipart copy above 5 GiB."""
+        source = {"Bucket": self.bucket, "Key": key}
+        content_type = content_type or content_type_for(key)
+        # A fresh whole-object checksum for the copy: the source's was a composite of its parts.
+        checksums = self._client.meta.config.request_checksum_calculation == "when_supported"
+        extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
+        with self._guard(Op.WRITE, key):
+            if size <= MAX_COPY_OBJECT_BYTES:
+                response = self._client.copy_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    CopySource=source,
+                    Metadata=metadata,
+                    MetadataDirective="REPLACE",
+                    ContentType=content_type,
+                    **extra,
+                )
+                return strip_etag(response.get("CopyObjectResult", {}).get("ETag"))
+            upload_id = self._client.create_multipart_upload(
+                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type
+            )["UploadId"]
+            try:
+                parts = []
+                for number, start in enumerate(range(0, size, COPY_PART_BYTES), start=1):
+                    end = min(start + COPY_PART_BYTES, size) - 1
+                    copied = self._client.upload_part_copy(
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        CopySource=source,
+                        CopySourceRange=f"bytes={start}-{end}",
+                    )
+                    parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
+                response = self._client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                )
+            except BaseException:
+                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                raise
+            return strip_etag(response.get("ETag"))
+
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None
+        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> S3MultipartUpload:
         metadata = lower_keys(metadata)
+        content_type = content_type or content_type_for(key)
         with self._guard(Op.WRITE, key):
             # Like boto3's upload_file: CRC32 per part unless checksums are off (AWS_REQUEST_CHECKSUM_CALCULATION
             # =when_required, for S3-compatible services that reject them).
             checksums = self._client.meta.config.request_checksum_calculation == "when_supported"
             extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
             response = self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type, **extra
             )
         return S3MultipartUpload(
-            self, key, part_size, response["UploadId"], metadata, "CRC32" if checksums else None
+            self, key, part_size, response["UploadId"], metadata, "CRC32" if checksums else None, content_type
         )
 
     def delete(self, key: str) -> None:
