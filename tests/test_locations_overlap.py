@@ -244,8 +244,11 @@ def test_the_hint_about_a_stopped_run_appears_only_for_one(tmp_path: Path) -> No
     assert result.exit_code == 2 and "interrupted shard run" in result.stderr, result.stderr
     # A completed run is not.
     assert run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "2").exit_code == 0
-    result = run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "2")
-    assert result.exit_code == 2 and "interrupted shard run" not in result.stderr, result.stderr
+    # (The same plan again skips what is already right; another plan into it is refused, without the hint.)
+    assert run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "2").exit_code == 0
+    result = run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "done"), "-tp", "1")
+    assert result.exit_code == 2 and "already holds" in result.stderr, result.stderr
+    assert "interrupted shard run" not in result.stderr, result.stderr
 
 
 def test_force_never_removes_a_source_file_through_a_link_in_dest(tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ class DestinationBusy(StreamctlError):
     failing service (6)."""
 
     exit_code = 7
+    code = "destination-busy"
 
 
 class PreconditionFailed(StreamctlError):
@@ -88,6 +89,7 @@ class PreconditionFailed(StreamctlError):
     DestinationBusy, so it reaches the user only through a bug."""
 
     exit_code = 7
+    code = "precondition-failed"
 
 
 class MissingProgramError(StreamctlError):
