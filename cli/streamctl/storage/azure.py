@@ -20,10 +20,10 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import azure.core.exceptions as aexc
 import requests
@@ -31,6 +31,7 @@ from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
 
 from streamctl.errors import StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -64,6 +65,7 @@ HINTS = ServiceHints(
     network="check the network and the storage account name",
 )
 
+T = TypeVar("T")
 _BAD_CREDENTIAL_CODES = frozenset(
     {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
 )
@@ -159,6 +161,7 @@ def choose_auth(url_account: str | None, option_account: str | None, environ: Ma
 
 
 def _transport() -> RequestsTransport:
+    deadlines.install_urllib3()  # the SDK's timeouts are per socket read (per chunk): the overall deadline is ours
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     try:  # azure-core's adapter reads in bigger blocks (faster downloads); private, so optional
         from azure.core.pipeline.transport._bigger_block_size_http_adapters import (
@@ -242,7 +245,10 @@ class AzureMultipartUpload:
         if not 0 <= index < self.store.max_parts:
             raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
         with self.store._guard(Op.WRITE, self.key):
-            self.store._blob(self.key).stage_block(block_id(self.nonce, index), data, length=len(data))
+            blob = self.store._blob(self.key)
+            self.store._call(
+                self.key, lambda: blob.stage_block(block_id(self.nonce, index), data, length=len(data)), len(data)
+            )
         with self._lock:
             self._sizes[index] = len(data)
 
@@ -256,10 +262,15 @@ class AzureMultipartUpload:
             missing = sorted(set(range(indices[-1] + 1)) - set(indices))
             raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._blob(self.key).commit_block_list(
-                [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
-                metadata=self.metadata,
-                content_settings=_CONTENT,
+            blob = self.store._blob(self.key)
+            response = self.store._call(
+                self.key,
+                lambda: blob.commit_block_list(
+                    [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
+                    metadata=self.metadata,
+                    content_settings=_CONTENT,
+                ),
+                sum(sizes.values()),
             )
         with self._lock:
             self._state = "completed"
@@ -314,6 +325,10 @@ class AzureStore:
     def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
         return guard(lambda error: self._error(error, op, key))
 
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
+        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
+
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = classify(error)
         if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
@@ -323,16 +338,24 @@ class AzureStore:
 
     def _container_exists(self) -> bool | None:
         try:
-            return bool(self._container.exists())
+            container = self._container
+            return bool(deadlines.call(container.exists, url=self.url(""), attempts=1))
         except Exception:  # noqa: BLE001 - a failed probe only means "cannot tell"
             return None
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Blobs come back in name order; folder markers of hierarchical-namespace accounts are skipped."""
         with self._guard(Op.LIST, prefix):
-            for blob in self._container.list_blobs(
-                name_starts_with=prefix or None, include=["metadata"], results_per_page=self.page_size
-            ):
+            container = self._container
+            listing = deadlines.iterate(
+                lambda: container.list_blobs(
+                    name_starts_with=prefix or None, include=["metadata"], results_per_page=self.page_size
+                ),
+                lambda blob: blob.name,
+                url=self.url(prefix),
+                attempts=self.max_attempts,
+            )
+            for blob in listing:
                 metadata = lower_keys(blob.metadata)
                 if metadata.get("hdi_isfolder") == "true":
                     continue
@@ -340,7 +363,8 @@ class AzureStore:
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
-            props = self._blob(key).get_blob_properties()
+            blob = self._blob(key)
+            props = self._call(key, blob.get_blob_properties)
         return ObjectInfo(key, int(props.size or 0), strip_etag(props.etag), lower_keys(props.metadata))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
@@ -350,7 +374,10 @@ class AzureStore:
             return b""
         with self._guard(Op.READ, key):
             try:
-                return self._blob(key).download_blob(offset=start, length=length, max_concurrency=1).readall()
+                blob = self._blob(key)
+                return self._call(
+                    key, lambda: blob.download_blob(offset=start, length=length, max_concurrency=1).readall(), length
+                )
             except aexc.HttpResponseError as error:
                 if getattr(error, "status_code", None) == 416:
                     return b""  # the range starts at or after the end of the blob
@@ -359,8 +386,13 @@ class AzureStore:
     def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         metadata = _check_metadata(metadata or {}, self.url(key))
         with self._guard(Op.WRITE, key):
-            response = self._blob(key).upload_blob(
-                data, overwrite=True, metadata=metadata, content_settings=_CONTENT, length=len(data)
+            blob = self._blob(key)
+            response = self._call(
+                key,
+                lambda: blob.upload_blob(
+                    data, overwrite=True, metadata=metadata, content_settings=_CONTENT, length=len(data)
+                ),
+                len(data),
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("etag")), metadata)
 
@@ -375,7 +407,8 @@ class AzureStore:
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
             try:
-                self._blob(key).delete_blob(delete_snapshots="include")
+                blob = self._blob(key)
+                self._call(key, lambda: blob.delete_blob(delete_snapshots="include"))
             except aexc.ResourceNotFoundError:
                 return  # nothing to delete (blob or container)
 
@@ -387,11 +420,20 @@ class AzureStore:
         Azure drops uncommitted blocks after a week in any case.)
         """
         with self._guard(Op.LIST, prefix):
-            committed = {blob.name for blob in self._container.list_blobs(name_starts_with=prefix or None)}
+            container = self._container
+            committed = self._call(
+                prefix, lambda: {blob.name for blob in container.list_blobs(name_starts_with=prefix or None)}
+            )
             staged = [
-                blob.name
-                for blob in self._container.list_blobs(name_starts_with=prefix or None, include=["uncommittedblobs"])
-                if blob.name not in committed
+                name
+                for name in self._call(
+                    prefix,
+                    lambda: [
+                        blob.name
+                        for blob in container.list_blobs(name_starts_with=prefix or None, include=["uncommittedblobs"])
+                    ],
+                )
+                if name not in committed
             ]
         return [UnfinishedUpload(name, None, partial(self.delete, name)) for name in staged]
 

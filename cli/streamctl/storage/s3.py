@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
 
 from streamctl.errors import StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -84,6 +85,7 @@ _STALE_CREDENTIALS = tuple(
     )
     if cls is not None
 )
+T = TypeVar("T")
 _NETWORK = (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError)
 
 
@@ -162,6 +164,7 @@ def _make_client(settings: S3Settings) -> Any:
         read_timeout=120,
         user_agent_extra="streamctl",
     )
+    deadlines.install_urllib3()  # read_timeout is per socket read: a dribbling server needs an overall deadline
     # A private session: boto3's default session is not safe to create clients from in several threads.
     return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
 
@@ -185,13 +188,18 @@ class S3MultipartUpload:
             raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
         extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._client.upload_part(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                PartNumber=index + 1,
-                Body=data,
-                **extra,
+            client = self.store._client
+            response = self.store._call(
+                self.key,
+                lambda: client.upload_part(
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=index + 1,
+                    Body=data,
+                    **extra,
+                ),
+                len(data),
             )
         part = {"PartNumber": index + 1, "ETag": response["ETag"]}
         if self.checksum_algorithm:
@@ -218,16 +226,22 @@ class S3MultipartUpload:
             with self._lock:
                 self._state = "completed"
             return info
+        size = sum(length for _, length in parts.values())
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._client.complete_multipart_upload(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": [parts[index][0] for index in indices]},
+            client = self.store._client
+            # S3 may take minutes to assemble a large object (it sends whitespace meanwhile): scale by size.
+            response = self.store._call(
+                self.key,
+                lambda: client.complete_multipart_upload(
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": [parts[index][0] for index in indices]},
+                ),
+                size,
             )
         with self._lock:
             self._state = "completed"
-        size = sum(length for _, length in parts.values())
         return ObjectInfo(self.key, size, strip_etag(response.get("ETag")), dict(self.metadata))
 
     def abort(self) -> None:
@@ -237,8 +251,12 @@ class S3MultipartUpload:
             self._state = "aborting"  # refuses further parts
         try:
             with self.store._guard(Op.WRITE, self.key):
-                self.store._client.abort_multipart_upload(
-                    Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
+                client = self.store._client
+                self.store._call(
+                    self.key,
+                    lambda: client.abort_multipart_upload(
+                        Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
+                    ),
                 )
         except StreamctlError as error:
             # NoSuchUpload: already gone (aborted elsewhere, or expired by a lifecycle rule).
@@ -282,6 +300,12 @@ class S3Store:
     def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
         return guard(lambda error: self._error(error, op, key))
 
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
+        return deadlines.call(
+            operation, url=self.url(key), attempts=self.settings.max_attempts, expected_bytes=expected_bytes
+        )
+
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = resolve_not_found(classify(error), self._bucket_exists)
         return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
@@ -289,7 +313,8 @@ class S3Store:
     def _bucket_exists(self) -> bool | None:
         # HEAD answers 404 without saying whether the bucket or the key is missing; ask about the bucket.
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            client = self._client
+            deadlines.call(lambda: client.head_bucket(Bucket=self.bucket), url=self.url(""), attempts=1)
             return True
         except bce.ClientError as error:
             return False if _client_error_status(error)[0] == 404 else None
@@ -309,13 +334,21 @@ class S3Store:
         with self._guard(Op.LIST, prefix):
             paginator = self._client.get_paginator("list_objects_v2")
             config = {"PageSize": self.page_size} if self.page_size else {}
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig=config):
-                for item in page.get("Contents", ()):
-                    yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
+
+            def items() -> Iterator[dict[str, Any]]:
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig=config):
+                    yield from page.get("Contents", ())
+
+            listing = deadlines.iterate(
+                items, lambda item: item["Key"], url=self.url(prefix), attempts=self.settings.max_attempts
+            )
+            for item in listing:
+                yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
-            return self._info(key, self._client.head_object(Bucket=self.bucket, Key=key))
+            client = self._client
+            return self._info(key, self._call(key, lambda: client.head_object(Bucket=self.bucket, Key=key)))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         check_range(start, length)
@@ -323,15 +356,18 @@ class S3Store:
             self.stat(key)  # an empty range still reports a missing object
             return b""
         with self._guard(Op.READ, key):
+            client = self._client
+
+            def get() -> tuple[dict[str, Any], bytes]:
+                response = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+                return response, response["Body"].read()  # the body inside the deadline too
+
             try:
-                response = self._client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
-                )
+                response, data = self._call(key, get, length)
             except bce.ClientError as error:
                 if _client_error_status(error)[0] == 416:
                     return b""  # the range starts at or after the end of the object
                 raise
-            data = response["Body"].read()
         if not response.get("ContentRange"):
             data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
         return data
@@ -339,12 +375,17 @@ class S3Store:
     def put(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         metadata = lower_keys(metadata)
         with self._guard(Op.WRITE, key):
-            response = self._client.put_object(
-                Bucket=self.bucket,
-                Key=key,
-                Body=data,
-                Metadata=metadata,
-                ContentType="application/octet-stream",
+            client = self._client
+            response = self._call(
+                key,
+                lambda: client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    Metadata=metadata,
+                    ContentType="application/octet-stream",
+                ),
+                len(data),
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("ETag")), metadata)
 
@@ -357,8 +398,12 @@ class S3Store:
             # =when_required, for S3-compatible services that reject them).
             checksums = self._client.meta.config.request_checksum_calculation == "when_supported"
             extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
-            response = self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+            client = self._client
+            response = self._call(
+                key,
+                lambda: client.create_multipart_upload(
+                    Bucket=self.bucket, Key=key, Metadata=metadata, ContentType="application/octet-stream", **extra
+                ),
             )
         return S3MultipartUpload(
             self, key, part_size, response["UploadId"], metadata, "CRC32" if checksums else None
@@ -367,7 +412,8 @@ class S3Store:
     def delete(self, key: str) -> None:
         try:
             with self._guard(Op.DELETE, key):
-                self._client.delete_object(Bucket=self.bucket, Key=key)
+                client = self._client
+                self._call(key, lambda: client.delete_object(Bucket=self.bucket, Key=key))
         except StreamctlError as error:
             if isinstance(error.__cause__, bce.ClientError) and classify(error.__cause__).kind in (
                 Kind.NO_BUCKET,
@@ -383,7 +429,8 @@ class S3Store:
         unfinished = []
         with self._guard(Op.LIST, prefix):
             paginator = self._client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            pages = self._call(prefix, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
+            for page in pages:
                 for item in page.get("Uploads", ()):
                     upload = S3MultipartUpload(self, item["Key"], 0, item["UploadId"], {})
                     unfinished.append(UnfinishedUpload(item["Key"], None, upload.abort))
