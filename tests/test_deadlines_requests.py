@@ -187,17 +187,19 @@ def test_in_process_deadline_error_names_endpoint_and_attempts(s3_root: str, sto
     assert elapsed < 2 * (0.5 + 2.0) + 5.0
 
 
-def test_ctrl_c_ends_a_transfer_stuck_on_a_silent_server(
-    s3_root: str, tmp_path: Path, storage_servers: Any, storage_env: dict[str, str]
+@pytest.mark.parametrize("command", ["verify-index", "transfer"])
+def test_ctrl_c_ends_a_run_stuck_on_a_silent_server(
+    command: str, s3_root: str, tmp_path: Path, storage_servers: Any, storage_env: dict[str, str]
 ) -> None:
-    """With the default (long) deadlines, Ctrl-C still ends the run at once: in-flight requests are cut."""
+    """With the default (long) deadlines, Ctrl-C still ends the run at once: requests in flight on worker
+    threads are cut, so the thread pools' shutdown does not wait for them."""
     write_hf_checkpoint(open_location(s3_root))
     port = int(storage_servers.s3().endpoint.rsplit(":", 1)[1])
     with SlowProxy(port, READS["s3"], "silent") as proxy:
         env = {**os.environ, **storage_env, "AWS_ENDPOINT_URL": proxy.url}
         env.pop("STREAMCTL_DEADLINE_BASE_S", None)
         process = subprocess.Popen(
-            [sys.executable, "-m", "streamctl", "transfer", s3_root, str(tmp_path / "out"), "--quiet"],
+            [sys.executable, "-m", "streamctl", command, s3_root, *([str(tmp_path / "out")] if command == "transfer" else []), "--quiet"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
