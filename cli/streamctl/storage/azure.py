@@ -21,6 +21,7 @@ import re
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -83,12 +84,14 @@ def classify(error: BaseException) -> Failure:
     """What an exception from azure-core, azure-storage-blob or azure-identity means, in neutral terms."""
     name = type(error).__name__
     if name == "CredentialUnavailableError":  # azure.identity, checked by name to avoid importing it
-        return Failure(Kind.NO_CREDENTIALS, one_line(error))
+        return Failure(Kind.NO_CREDENTIALS, _chain_summary(str(error)) or one_line(error))
     if isinstance(error, aexc.ClientAuthenticationError) and getattr(error, "status_code", None) is None:
         # Raised by azure.identity before any storage request: no token could be obtained at all.
         text = one_line(error)
         no_token = "failed to retrieve a token from the included credentials" in text.lower()
-        return Failure(Kind.NO_CREDENTIALS if no_token else Kind.BAD_CREDENTIALS, text)
+        if no_token:
+            return Failure(Kind.NO_CREDENTIALS, _chain_summary(str(error)) or text)
+        return Failure(Kind.BAD_CREDENTIALS, text)
     if isinstance(error, aexc.HttpResponseError):
         status = getattr(error, "status_code", None)
         code = _error_code(error)
@@ -112,6 +115,17 @@ def classify(error: BaseException) -> Failure:
     if isinstance(error, (requests.exceptions.RequestException, OSError)):
         return Failure(Kind.UNAVAILABLE, one_line(error))
     return Failure(Kind.OTHER, one_line(f"{name}: {error}"))
+
+
+_CHAIN_MEMBER = re.compile(r"^\s+(\w+Credential): ", re.MULTILINE)
+
+
+def _chain_summary(message: str) -> str | None:
+    """DefaultAzureCredential's many-line report as one line: which credentials it tried."""
+    tried = [name.removesuffix("Credential") for name in _CHAIN_MEMBER.findall(message)]
+    if not tried:
+        return None
+    return f"DefaultAzureCredential tried {', '.join(tried)}; none is configured here"
 
 
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
@@ -206,10 +220,72 @@ def _make_service(auth: AzureAuth, max_attempts: int) -> BlobServiceClient:
     elif auth.method == "SAS token":
         credential = auth.secret
     else:
-        from azure.identity import DefaultAzureCredential  # slow import; only when actually used
-
-        credential = DefaultAzureCredential()
+        credential = shared_default_credential()
     return BlobServiceClient(account_url, credential=credential, **common)
+
+
+class CredentialChainFailed(Exception):
+    """The credential chain failed (now or earlier in this run). Not an AzureError, so that the storage
+    pipeline's retry policy, which retries every AzureError, does not sleep and run the chain again."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class OnceCredential:
+    """A token credential that runs its chain at most once per run when it fails.
+
+    DefaultAzureCredential does not remember failures: every store, request and retry ran the whole chain
+    again (managed identity, the CLIs, ...), ~8 s each on a machine without Azure credentials. The first
+    failure is kept and raised again at once; successes are cached by the SDK's token policy. Calls are
+    serialised, so 32 threads asking for the first token run the chain once, not 32 times.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _once(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._failure is not None:
+                raise CredentialChainFailed(self._failure)
+            try:
+                return getattr(self._inner, method)(*args, **kwargs)
+            except aexc.ClientAuthenticationError as error:  # CredentialUnavailableError is a subclass
+                self._failure = error
+                raise CredentialChainFailed(error) from None
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+        return self._once("get_token", *scopes, **kwargs)
+
+    def get_token_info(self, *scopes: str, options: Any = None) -> Any:
+        return self._once("get_token_info", *scopes, options=options)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+_credential_lock = threading.Lock()
+_credential: OnceCredential | None = None
+
+
+def shared_default_credential() -> OnceCredential:
+    """One DefaultAzureCredential for the whole run, shared by every store (see OnceCredential).
+
+    Its managed-identity probe already uses a 1 s connect timeout and no retries; the developer tools it
+    runs (az, azd, pwsh) get 10 s each, and interactive sign-in is excluded (a CLI must never open a browser).
+    """
+    global _credential
+    with _credential_lock:
+        if _credential is None:
+            from azure.identity import DefaultAzureCredential  # slow import; only when actually used
+
+            _credential = OnceCredential(
+                DefaultAzureCredential(exclude_interactive_browser_credential=True, process_timeout=10)
+            )
+        return _credential
 
 
 def block_id(nonce: str, index: int) -> str:
@@ -322,8 +398,13 @@ class AzureStore:
         )
         return f"{base}/{key}" if key else base
 
-    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
-        return guard(lambda error: self._error(error, op, key))
+    @contextmanager
+    def _guard(self, op: Op, key: str) -> Iterator[None]:
+        try:
+            with guard(lambda error: self._error(error, op, key)):
+                yield
+        except CredentialChainFailed as failed:
+            raise self._error(failed.error, op, key) from failed.error
 
     def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
         """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
@@ -331,6 +412,8 @@ class AzureStore:
 
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = classify(error)
+        if failure.kind is Kind.NO_CREDENTIALS:
+            return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
         if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
             failure = Failure(Kind.NO_BUCKET, failure.detail)
         failure = resolve_not_found(failure, self._container_exists)
