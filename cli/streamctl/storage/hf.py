@@ -419,7 +419,7 @@ def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revisio
     return RemoteError(f"{what}: {type(error).__name__}: {error}")
 
 
-_deadlines_installed = threading.Lock()
+_install_lock = threading.Lock()
 
 
 def _install_deadlines() -> None:
@@ -427,8 +427,6 @@ def _install_deadlines() -> None:
     per read, and its default client has none at all)."""
     from huggingface_hub.utils import _http
 
-    if getattr(_http, "_streamctl_deadlines", False) or not _deadlines_installed.acquire(blocking=False):
-        return
     make_client = _http.default_client_factory
 
     def client_factory() -> httpx.Client:
@@ -440,8 +438,10 @@ def _install_deadlines() -> None:
         }
         return client
 
-    _http.set_client_factory(client_factory)
-    _http._streamctl_deadlines = True  # type: ignore[attr-defined]
+    with _install_lock:
+        if not getattr(_http, "_streamctl_deadlines", False):
+            _http.set_client_factory(client_factory)
+            _http._streamctl_deadlines = True  # type: ignore[attr-defined]
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
