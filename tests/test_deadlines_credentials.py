@@ -111,6 +111,7 @@ def test_sdk_loggers_are_silent_unless_debug() -> None:
     levels = {name: logging.getLogger(name).level for name in sdklogging.SDK_LOGGERS}
     try:
         sdklogging.configure(debug=False)
+        sdklogging.apply_all()
         for name in ("azure.identity._credentials.chained", "botocore.retryhandler", "urllib3.connectionpool",
                      "google.auth._default", "huggingface_hub.utils._http"):
             logging.getLogger(name).warning("noise")

@@ -8,7 +8,6 @@ protocol, so these loggers are off unless the user asks for --debug. Nothing her
 
 from __future__ import annotations
 
-import logging
 import sys
 
 SDK_LOGGERS = (
@@ -27,14 +26,22 @@ SDK_LOGGERS = (
     "httpcore2",
     "filelock",
 )
-SILENT = logging.CRITICAL + 1
 _debug = False
 
 
 def configure(debug: bool) -> None:
-    """Silence the SDK loggers, or (debug) let them log everything to stderr."""
+    """Remember --debug (cheap: `logging` is imported only once a backend is opened, see apply_all)."""
     global _debug
     _debug = _debug or debug
+    if "logging" in sys.modules:
+        apply_all()
+
+
+def apply_all() -> None:
+    """Silence the SDK loggers, or (debug) let them log everything to stderr. Storage calls this as it
+    opens a backend, before any SDK can log."""
+    import logging
+
     for name in SDK_LOGGERS:
         apply(name)
     if _debug and not logging.getLogger().handlers:
@@ -43,4 +50,6 @@ def configure(debug: bool) -> None:
 
 def apply(name: str) -> None:
     """(Re)apply the setting to one logger: libraries that set their own level on import call this after."""
-    logging.getLogger(name).setLevel(logging.DEBUG if _debug else SILENT)
+    import logging
+
+    logging.getLogger(name).setLevel(logging.DEBUG if _debug else logging.CRITICAL + 1)

@@ -42,7 +42,7 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
     import httpcore  # type: ignore[no-redef]
     import httpx  # type: ignore[no-redef]
 
-from streamctl import __version__, sdklogging
+from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import deadlines
 from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
@@ -446,8 +446,6 @@ def _install_deadlines() -> None:
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
     """Options override the URL: --revision / --repo-type / --token beat @REV and datasets/."""
-    # huggingface_hub sets its own log level on import: silence it again unless --debug (sdklogging.py).
-    sdklogging.apply("huggingface_hub")
     _install_deadlines()
     repo_type = options.hf_repo_type or parsed.repo_type or "model"
     revision = options.hf_revision or parsed.revision
