@@ -94,7 +94,8 @@ def test_azure_without_credentials_fails_fast_and_quietly(
 
 
 def test_debug_shows_the_sdk_logs(imds: _Imds, tmp_path: Path) -> None:
-    result = run_cli("--debug", "verify-index", "az://models/llama", env=_no_credentials_env(imds, tmp_path), timeout=90)
+    env = _no_credentials_env(imds, tmp_path)
+    result = run_cli("--debug", "verify-index", "az://models/llama", env=env, timeout=90)
     assert result.exit_code == 4
     assert "azure.identity" in result.stderr
 

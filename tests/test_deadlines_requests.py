@@ -160,7 +160,8 @@ def test_a_slow_but_steady_server_is_not_cut(
     _large_checkpoint(root, 768 * 1024)
     # 256 KiB/s: each read of the 768 KiB file takes ~3 s, twice the 1.5 s base, but the floor rate of
     # 64 KiB/s gives it 1.5 + 12 s.
-    with SlowProxy(_upstream_port(backend, storage_servers, fake_hub), READS[backend], "steady", rate_bps=256 * 1024) as proxy:
+    port = _upstream_port(backend, storage_servers, fake_hub)
+    with SlowProxy(port, READS[backend], "steady", rate_bps=256 * 1024) as proxy:
         env = _env_through(backend, proxy, storage_env, STREAMCTL_DEADLINE_FLOOR_BPS="65536")
         result, elapsed = _run("transfer", root, str(tmp_path / "out"), "--quiet", env=env)
     assert result.exit_code == 0, result.stderr
@@ -169,7 +170,9 @@ def test_a_slow_but_steady_server_is_not_cut(
     assert (tmp_path / "out" / "model.safetensors").stat().st_size > 768 * 1024
 
 
-def test_in_process_deadline_error_names_endpoint_and_attempts(s3_root: str, storage_servers: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_in_process_deadline_error_names_endpoint_and_attempts(
+    s3_root: str, storage_servers: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The library's own error: a DeadlineExceededError, after `max_attempts` cut attempts, no credentials."""
     monkeypatch.setenv("STREAMCTL_DEADLINE_BASE_S", "0.5")
     location = open_location(s3_root)
@@ -198,8 +201,9 @@ def test_ctrl_c_ends_a_run_stuck_on_a_silent_server(
     with SlowProxy(port, READS["s3"], "silent") as proxy:
         env = {**os.environ, **storage_env, "AWS_ENDPOINT_URL": proxy.url}
         env.pop("STREAMCTL_DEADLINE_BASE_S", None)
+        dest = [str(tmp_path / "out")] if command == "transfer" else []
         process = subprocess.Popen(
-            [sys.executable, "-m", "streamctl", command, s3_root, *([str(tmp_path / "out")] if command == "transfer" else []), "--quiet"],
+            [sys.executable, "-m", "streamctl", command, s3_root, *dest, "--quiet"],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

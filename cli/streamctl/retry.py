@@ -40,7 +40,8 @@ def with_retries(
             return operation()
         except RemoteError as error:
             # A request past its deadline was already retried by the storage layer, each try a full deadline.
-            if isinstance(error, DeadlineExceededError) or attempt + 1 >= policy.attempts or (cancelled is not None and cancelled.is_set()):
+            final = isinstance(error, DeadlineExceededError) or attempt + 1 >= policy.attempts
+            if final or (cancelled is not None and cancelled.is_set()):
                 raise
             if on_retry is not None:
                 on_retry(attempt + 1, error)
