@@ -153,6 +153,52 @@ def storage_env(
 
 
 # =========================================================================================================
+# Network guard: no test, and no process a test starts, may connect anywhere but this host
+# (tests/netguard/sitecustomize.py). Metadata endpoints of all three clouds point at a closed local port,
+# so a credential chain that looks for an instance role fails at once, locally.
+# =========================================================================================================
+import os as _ng_os
+import socket as _ng_socket
+import sys as _ng_sys
+import tempfile as _ng_tempfile
+
+_NETGUARD_DIR = str(Path(__file__).resolve().parent / "netguard")
+_ng_sys.path.insert(0, _NETGUARD_DIR)
+import sitecustomize as _netguard  # noqa: E402,F401 - installs the guard in this process
+
+_ng_sys.path.remove(_NETGUARD_DIR)
+_NETGUARD_LOG = _ng_tempfile.NamedTemporaryFile(prefix="streamctl-netguard-", suffix=".log", delete=False).name
+
+
+def _closed_port() -> int:
+    with _ng_socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+_DEAD = f"127.0.0.1:{_closed_port()}"
+_ng_os.environ.update(
+    STREAMCTL_NETGUARD_LOG=_NETGUARD_LOG,
+    PYTHONPATH=_ng_os.pathsep.join(p for p in (_NETGUARD_DIR, _ng_os.environ.get("PYTHONPATH", "")) if p),
+    AWS_EC2_METADATA_SERVICE_ENDPOINT=f"http://{_DEAD}",  # botocore's instance-role lookup
+    GCE_METADATA_HOST=_DEAD,  # google-auth's metadata server
+    GCE_METADATA_IP=_DEAD,
+    AZURE_POD_IDENTITY_AUTHORITY_HOST=f"http://{_DEAD}",  # azure-identity's IMDS
+)
+
+
+@pytest.fixture(autouse=True)
+def _no_connection_leaves_this_host() -> Iterator[None]:
+    before = Path(_NETGUARD_LOG).stat().st_size
+    yield
+    with open(_NETGUARD_LOG) as log:
+        log.seek(before)
+        attempts = log.read().strip()
+    if attempts:
+        pytest.fail(f"the test tried to reach addresses outside this host:\n{attempts}", pytrace=False)
+
+
+# =========================================================================================================
 # Fake Hugging Face Hub fixtures (tests/fakehub.py). Appended section: keep it at the END of this file.
 #
 # huggingface_hub reads HF_ENDPOINT, HF_HOME and its other settings once, when it is first imported. So the

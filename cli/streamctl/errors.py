@@ -66,6 +66,11 @@ class RemoteError(StreamctlError):
     code = "remote-error"
 
 
+class DeadlineExceededError(RemoteError):
+    """A request got no complete answer within its deadline, on every attempt: already retried, so callers
+    do not retry it again (each retry would cost another full deadline)."""
+
+
 class VerificationFailed(StreamctlError):
     """A verification ran to the end and found errors."""
 

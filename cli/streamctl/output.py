@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.text import Text
 
+from streamctl import sdklogging
 from streamctl.errors import StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.redact import for_display, mask_credentials
@@ -49,6 +50,7 @@ def configure(*, debug: bool | None = None, quiet: bool | None = None, json_outp
     settings.debug = settings.debug or bool(debug)
     settings.quiet = settings.quiet or bool(quiet)
     settings.json = settings.json or bool(json_output)
+    sdklogging.configure(settings.debug)
 
 
 # Piped output is read by people in logs and by grep: don't fold it to 80 columns.

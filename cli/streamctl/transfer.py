@@ -58,6 +58,7 @@ from streamctl.lease import Lease, hold_lease
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
+from streamctl.storage import deadlines
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -702,6 +703,7 @@ def _execute_transfer(
             copied[result.path] = result
     except BaseException:
         engine.cancelled.set()
+        deadlines.cut_all()  # requests in flight end now (Ctrl-C, or a failed file), not at their deadlines
         files_pool.shutdown(wait=True, cancel_futures=True)
         engine.abort_all()
         raise

@@ -123,6 +123,7 @@ from streamctl.sharded import (
 )
 from streamctl.storage.base import Location
 from streamctl.streamer_compat import streamer_problem
+from streamctl.storage import deadlines
 
 Severity = Literal["error", "warning"]
 Layout = Literal["indexed", "single", "sharded"]
@@ -392,11 +393,15 @@ def verify_checkpoint(
             if CONFIG_NAME in listing.top_level
             else None
         )
-        shards = _read_headers(location, listing, safetensors_names, options, progress)
-        index = index_future.result() if index_future else None
-        config_data = config_future.result() if config_future else None
-        if manifest_future:
-            manifest_future.result()
+        try:
+            shards = _read_headers(location, listing, safetensors_names, options, progress)
+            index = index_future.result() if index_future else None
+            config_data = config_future.result() if config_future else None
+            if manifest_future:
+                manifest_future.result()
+        except BaseException:
+            deadlines.cut_all()  # the side reads too
+            raise
     for shard in shards:
         reads.add(shard.requests, shard.bytes_read)
         _report_shard(shard, findings)
@@ -627,6 +632,9 @@ def _read_headers(
             if error is not None:
                 raise error
         return [future.result() for future in futures]
+    except BaseException:
+        deadlines.cut_all()  # reads in flight end now, not at their deadlines (a silent server, Ctrl-C)
+        raise
     finally:
         # On an error (or Ctrl-C) drop the reads that have not started instead of waiting for them.
         executor.shutdown(wait=True, cancel_futures=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from streamctl import sdklogging
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, Store, StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
@@ -24,7 +25,9 @@ BACKENDS: dict[str, str] = {
 
 def _factory(scheme: str) -> Callable[[ParsedURL, StorageOptions], Store]:
     module_name, _, attr = BACKENDS[scheme].partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    module = importlib.import_module(module_name)
+    sdklogging.apply_all()  # SDK loggers are silent unless --debug (after the import: some set levels then)
+    return getattr(module, attr)
 
 
 def open_location(url: str, options: StorageOptions | None = None) -> Location:

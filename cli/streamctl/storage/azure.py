@@ -20,11 +20,11 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import azure.core.exceptions as aexc
 from azure.core import MatchConditions
@@ -33,6 +33,7 @@ from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
 
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -66,6 +67,7 @@ HINTS = ServiceHints(
     network="check the network and the storage account name",
 )
 
+T = TypeVar("T")
 _BAD_CREDENTIAL_CODES = frozenset(
     {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
 )
@@ -82,12 +84,14 @@ def classify(error: BaseException) -> Failure:
     """What an exception from azure-core, azure-storage-blob or azure-identity means, in neutral terms."""
     name = type(error).__name__
     if name == "CredentialUnavailableError":  # azure.identity, checked by name to avoid importing it
-        return Failure(Kind.NO_CREDENTIALS, one_line(error))
+        return Failure(Kind.NO_CREDENTIALS, _chain_summary(str(error)) or one_line(error))
     if isinstance(error, aexc.ClientAuthenticationError) and getattr(error, "status_code", None) is None:
         # Raised by azure.identity before any storage request: no token could be obtained at all.
         text = one_line(error)
         no_token = "failed to retrieve a token from the included credentials" in text.lower()
-        return Failure(Kind.NO_CREDENTIALS if no_token else Kind.BAD_CREDENTIALS, text)
+        if no_token:
+            return Failure(Kind.NO_CREDENTIALS, _chain_summary(str(error)) or text)
+        return Failure(Kind.BAD_CREDENTIALS, text)
     if isinstance(error, aexc.HttpResponseError):
         status = getattr(error, "status_code", None)
         code = _error_code(error)
@@ -111,6 +115,17 @@ def classify(error: BaseException) -> Failure:
     if isinstance(error, (requests.exceptions.RequestException, OSError)):
         return Failure(Kind.UNAVAILABLE, one_line(error))
     return Failure(Kind.OTHER, one_line(f"{name}: {error}"))
+
+
+_CHAIN_MEMBER = re.compile(r"^\s+(\w+Credential): ", re.MULTILINE)
+
+
+def _chain_summary(message: str) -> str | None:
+    """DefaultAzureCredential's many-line report as one line: which credentials it tried."""
+    tried = [name.removesuffix("Credential") for name in _CHAIN_MEMBER.findall(message)]
+    if not tried:
+        return None
+    return f"DefaultAzureCredential tried {', '.join(tried)}; none is configured here"
 
 
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
@@ -160,6 +175,7 @@ def choose_auth(url_account: str | None, option_account: str | None, environ: Ma
 
 
 def _transport() -> RequestsTransport:
+    deadlines.install_urllib3()  # the SDK's timeouts are per socket read (per chunk): the overall deadline is ours
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     try:  # azure-core's adapter reads in bigger blocks (faster downloads); private, so optional
         from azure.core.pipeline.transport._bigger_block_size_http_adapters import (
@@ -204,10 +220,72 @@ def _make_service(auth: AzureAuth, max_attempts: int) -> BlobServiceClient:
     elif auth.method == "SAS token":
         credential = auth.secret
     else:
-        from azure.identity import DefaultAzureCredential  # slow import; only when actually used
-
-        credential = DefaultAzureCredential()
+        credential = shared_default_credential()
     return BlobServiceClient(account_url, credential=credential, **common)
+
+
+class CredentialChainFailed(Exception):
+    """The credential chain failed (now or earlier in this run). Not an AzureError, so that the storage
+    pipeline's retry policy, which retries every AzureError, does not sleep and run the chain again."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class OnceCredential:
+    """A token credential that runs its chain at most once per run when it fails.
+
+    DefaultAzureCredential does not remember failures: every store, request and retry ran the whole chain
+    again (managed identity, the CLIs, ...), ~8 s each on a machine without Azure credentials. The first
+    failure is kept and raised again at once; successes are cached by the SDK's token policy. Calls are
+    serialised, so 32 threads asking for the first token run the chain once, not 32 times.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def _once(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._failure is not None:
+                raise CredentialChainFailed(self._failure)
+            try:
+                return getattr(self._inner, method)(*args, **kwargs)
+            except aexc.ClientAuthenticationError as error:  # CredentialUnavailableError is a subclass
+                self._failure = error
+                raise CredentialChainFailed(error) from None
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+        return self._once("get_token", *scopes, **kwargs)
+
+    def get_token_info(self, *scopes: str, options: Any = None) -> Any:
+        return self._once("get_token_info", *scopes, options=options)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+_credential_lock = threading.Lock()
+_credential: OnceCredential | None = None
+
+
+def shared_default_credential() -> OnceCredential:
+    """One DefaultAzureCredential for the whole run, shared by every store (see OnceCredential).
+
+    Its managed-identity probe already uses a 1 s connect timeout and no retries; the developer tools it
+    runs (az, azd, pwsh) get 10 s each, and interactive sign-in is excluded (a CLI must never open a browser).
+    """
+    global _credential
+    with _credential_lock:
+        if _credential is None:
+            from azure.identity import DefaultAzureCredential  # slow import; only when actually used
+
+            _credential = OnceCredential(
+                DefaultAzureCredential(exclude_interactive_browser_credential=True, process_timeout=10)
+            )
+        return _credential
 
 
 def block_id(nonce: str, index: int) -> str:
@@ -244,7 +322,10 @@ class AzureMultipartUpload:
         if not 0 <= index < self.store.max_parts:
             raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
         with self.store._guard(Op.WRITE, self.key):
-            self.store._blob(self.key).stage_block(block_id(self.nonce, index), data, length=len(data))
+            blob = self.store._blob(self.key)
+            self.store._call(
+                self.key, lambda: blob.stage_block(block_id(self.nonce, index), data, length=len(data)), len(data)
+            )
         with self._lock:
             self._sizes[index] = len(data)
 
@@ -260,10 +341,15 @@ class AzureMultipartUpload:
             missing = sorted(set(range(indices[-1] + 1)) - set(indices))
             raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._blob(self.key).commit_block_list(
-                [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
-                metadata=self.metadata,
-                content_settings=ContentSettings(content_type=self.content_type),
+            blob = self.store._blob(self.key)
+            response = self.store._call(
+                self.key,
+                lambda: blob.commit_block_list(
+                    [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
+                    metadata=self.metadata,
+                    content_settings=ContentSettings(content_type=self.content_type),
+                ),
+                sum(sizes.values()),
             )
         with self._lock:
             self._state = "completed"
@@ -315,11 +401,22 @@ class AzureStore:
         )
         return f"{base}/{key}" if key else base
 
-    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
-        return guard(lambda error: self._error(error, op, key))
+    @contextmanager
+    def _guard(self, op: Op, key: str) -> Iterator[None]:
+        try:
+            with guard(lambda error: self._error(error, op, key)):
+                yield
+        except CredentialChainFailed as failed:
+            raise self._error(failed.error, op, key) from failed.error
+
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
+        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
 
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = classify(error)
+        if failure.kind is Kind.NO_CREDENTIALS:
+            return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
         if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
             failure = Failure(Kind.NO_BUCKET, failure.detail)
         failure = resolve_not_found(failure, self._container_exists)
@@ -327,16 +424,24 @@ class AzureStore:
 
     def _container_exists(self) -> bool | None:
         try:
-            return bool(self._container.exists())
+            container = self._container
+            return bool(deadlines.call(container.exists, url=self.url(""), attempts=1))
         except Exception:  # noqa: BLE001 - a failed probe only means "cannot tell"
             return None
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Blobs come back in name order; folder markers of hierarchical-namespace accounts are skipped."""
         with self._guard(Op.LIST, prefix):
-            for blob in self._container.list_blobs(
-                name_starts_with=prefix or None, include=["metadata"], results_per_page=self.page_size
-            ):
+            container = self._container
+            listing = deadlines.iterate(
+                lambda: container.list_blobs(
+                    name_starts_with=prefix or None, include=["metadata"], results_per_page=self.page_size
+                ),
+                lambda blob: blob.name,
+                url=self.url(prefix),
+                attempts=self.max_attempts,
+            )
+            for blob in listing:
                 metadata = lower_keys(blob.metadata)
                 if metadata.get("hdi_isfolder") == "true":
                     continue
@@ -344,7 +449,8 @@ class AzureStore:
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
-            props = self._blob(key).get_blob_properties()
+            blob = self._blob(key)
+            props = self._call(key, blob.get_blob_properties)
         return ObjectInfo(key, int(props.size or 0), strip_etag(props.etag), lower_keys(props.metadata))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
@@ -354,7 +460,10 @@ class AzureStore:
             return b""
         with self._guard(Op.READ, key):
             try:
-                return self._blob(key).download_blob(offset=start, length=length, max_concurrency=1).readall()
+                blob = self._blob(key)
+                return self._call(
+                    key, lambda: blob.download_blob(offset=start, length=length, max_concurrency=1).readall(), length
+                )
             except aexc.HttpResponseError as error:
                 if getattr(error, "status_code", None) == 416:
                     return b""  # the range starts at or after the end of the blob
@@ -366,8 +475,13 @@ class AzureStore:
         metadata = _check_metadata(metadata or {}, self.url(key))
         settings = ContentSettings(content_type=content_type or content_type_for(key))
         with self._guard(Op.WRITE, key):
-            response = self._blob(key).upload_blob(
-                data, overwrite=True, metadata=metadata, content_settings=settings, length=len(data)
+            blob = self._blob(key)
+            response = self._call(
+                key,
+                lambda: blob.upload_blob(
+                    data, overwrite=True, metadata=metadata, content_settings=settings, length=len(data)
+                ),
+                len(data),
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("etag")), metadata)
 
@@ -384,7 +498,8 @@ class AzureStore:
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
             try:
-                self._blob(key).delete_blob(delete_snapshots="include")
+                blob = self._blob(key)
+                self._call(key, lambda: blob.delete_blob(delete_snapshots="include"))
             except aexc.ResourceNotFoundError:
                 return  # nothing to delete (blob or container)
 
@@ -396,11 +511,20 @@ class AzureStore:
         Azure drops uncommitted blocks after a week in any case.)
         """
         with self._guard(Op.LIST, prefix):
-            committed = {blob.name for blob in self._container.list_blobs(name_starts_with=prefix or None)}
+            container = self._container
+            committed = self._call(
+                prefix, lambda: {blob.name for blob in container.list_blobs(name_starts_with=prefix or None)}
+            )
             staged = [
-                (blob.name, blob.creation_time)
-                for blob in self._container.list_blobs(name_starts_with=prefix or None, include=["uncommittedblobs"])
-                if blob.name not in committed
+                (name, created)
+                for name, created in self._call(
+                    prefix,
+                    lambda: [
+                        (blob.name, blob.creation_time)
+                        for blob in container.list_blobs(name_starts_with=prefix or None, include=["uncommittedblobs"])
+                    ],
+                )
+                if name not in committed
             ]
         return [UnfinishedUpload(name, None, partial(self.delete, name), started) for name, started in staged]
 
@@ -423,31 +547,39 @@ class AzureStore:
         metadata = _check_metadata(metadata or {}, self.url(key))
         with self._conditional(key, Op.WRITE):
             # overwrite=False is the SDK's If-None-Match: * on Put Blob.
-            response = self._blob(key).upload_blob(
-                data, overwrite=False, metadata=metadata, content_settings=ContentSettings(content_type=content_type_for(key)), length=len(data)
-            )
+            blob = self._blob(key)
+            settings = ContentSettings(content_type=content_type_for(key))
+            response = self._call(key, lambda: blob.upload_blob(
+                data, overwrite=False, metadata=metadata, content_settings=settings, length=len(data)
+            ), len(data))  # fmt: skip
         return str(response["etag"])
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         with self._guard(Op.READ, key):
             # One GET for a small blob; the SDK pins any further chunks to the first one's ETag.
-            downloader = self._blob(key).download_blob(max_concurrency=1)
-            return downloader.readall(), str(downloader.properties.etag)
+            def read() -> tuple[bytes, str]:
+                downloader = self._blob(key).download_blob(max_concurrency=1)
+                return downloader.readall(), str(downloader.properties.etag)
+
+            return self._call(key, read)
 
     def replace_if_version(
         self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
     ) -> str:
         metadata = _check_metadata(metadata or {}, self.url(key))
         with self._conditional(key, Op.WRITE):
-            response = self._blob(key).upload_blob(
-                data, overwrite=True, metadata=metadata, content_settings=ContentSettings(content_type=content_type_for(key)), length=len(data),
+            blob = self._blob(key)
+            settings = ContentSettings(content_type=content_type_for(key))
+            response = self._call(key, lambda: blob.upload_blob(
+                data, overwrite=True, metadata=metadata, content_settings=settings, length=len(data),
                 etag=version, match_condition=MatchConditions.IfNotModified,
-            )  # fmt: skip
+            ), len(data))  # fmt: skip
         return str(response["etag"])
 
     def delete_if_version(self, key: str, version: str) -> None:
         with self._conditional(key, Op.DELETE):
-            self._blob(key).delete_blob(etag=version, match_condition=MatchConditions.IfNotModified)
+            blob = self._blob(key)
+            self._call(key, lambda: blob.delete_blob(etag=version, match_condition=MatchConditions.IfNotModified))
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> AzureStore:

@@ -36,6 +36,7 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -156,6 +157,7 @@ def _make_client(environ: Mapping[str, str] = os.environ) -> storage.Client:
     else:
         credentials, adc_project = google.auth.default(scopes=_SCOPES)
         project = project or adc_project
+    deadlines.install_urllib3()  # requests' timeouts are per socket read: the overall deadline is ours
     session = AuthorizedSession(credentials)
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=64)
@@ -305,6 +307,10 @@ class GCSStore:
     def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
         return guard(lambda error: self._error(error, op, key))
 
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
+        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
+
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = classify(error)
         if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
@@ -314,7 +320,8 @@ class GCSStore:
 
     def _bucket_exists(self) -> bool | None:
         try:
-            return bool(self._bucket.exists(retry=None))
+            bucket = self._bucket
+            return bool(deadlines.call(lambda: bucket.exists(retry=None), url=self.url(""), attempts=1))
         except Exception:  # noqa: BLE001 - needs storage.buckets.get, which object roles lack: "cannot tell"
             return None
 
@@ -323,8 +330,12 @@ class GCSStore:
 
     def _list_raw(self, prefix: str, op: Op) -> Iterator[Any]:
         with self._guard(op, prefix):
-            yield from self._client.list_blobs(
-                self.bucket, prefix=prefix, page_size=self.page_size, retry=self._retry()
+            client = self._client
+            yield from deadlines.iterate(
+                lambda: client.list_blobs(self.bucket, prefix=prefix, page_size=self.page_size, retry=self._retry()),
+                lambda blob: blob.name,
+                url=self.url(prefix),
+                attempts=self.max_attempts,
             )
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -335,7 +346,7 @@ class GCSStore:
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
             blob = self._bucket.blob(key)
-            blob.reload(retry=self._retry())
+            self._call(key, lambda: blob.reload(retry=self._retry()))
             return self._info(key, blob)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
@@ -347,12 +358,13 @@ class GCSStore:
             try:
                 # raw_download: bytes as stored, never decompressed (ranges of transcoded objects are not
                 # ranges of the stored bytes); no checksum, as a range has none to check against.
-                return self._bucket.blob(key).download_as_bytes(
-                    start=start,
-                    end=start + length - 1,
-                    raw_download=True,
-                    checksum=None,
-                    retry=self._retry(),
+                blob = self._bucket.blob(key)
+                return self._call(
+                    key,
+                    lambda: blob.download_as_bytes(
+                        start=start, end=start + length - 1, raw_download=True, checksum=None, retry=self._retry()
+                    ),
+                    length,
                 )
             except gexc.RequestRangeNotSatisfiable:
                 return b""  # the range starts at or after the end of the object
@@ -364,7 +376,11 @@ class GCSStore:
             blob = self._bucket.blob(name)
             if metadata:
                 blob.metadata = dict(metadata)
-            blob.upload_from_string(data, content_type=content_type, retry=self._retry())
+            self._call(
+                report_key,
+                lambda: blob.upload_from_string(data, content_type=content_type, retry=self._retry()),
+                len(data),
+            )
             return blob
 
     def _compose(
@@ -383,7 +399,7 @@ class GCSStore:
             if metadata:
                 blob.metadata = dict(metadata)
             # Retrying is safe: composing the same sources into the same name again gives the same bytes.
-            blob.compose([bucket.blob(name) for name in sources], retry=self._retry())
+            self._call(report_key, lambda: blob.compose([bucket.blob(name) for name in sources], retry=self._retry()))
             return blob
 
     def _parallel(self, function: Callable[[T], object], items: list[T]) -> None:
@@ -422,7 +438,8 @@ class GCSStore:
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
             try:
-                self._bucket.blob(key).delete(retry=self._retry())
+                blob = self._bucket.blob(key)
+                self._call(key, lambda: blob.delete(retry=self._retry()))
             except gexc.NotFound:
                 return  # nothing to delete (object or bucket)
 
@@ -471,9 +488,9 @@ class GCSStore:
             blob = self._bucket.blob(key)
             if metadata:
                 blob.metadata = lower_keys(metadata)
-            blob.upload_from_string(
+            self._call(key, lambda: blob.upload_from_string(
                 data, content_type=content_type_for(key), if_generation_match=generation, retry=self._retry()
-            )
+            ), len(data))  # fmt: skip
             return str(blob.generation)
 
     def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
@@ -484,12 +501,12 @@ class GCSStore:
         for _ in range(5):
             with self._guard(Op.READ, key):
                 blob = self._bucket.blob(key)
-                blob.reload(retry=self._retry())
+                self._call(key, lambda: blob.reload(retry=self._retry()))
                 generation = blob.generation  # before the download, which resets it from its own headers
                 try:
-                    data = blob.download_as_bytes(
+                    data = self._call(key, lambda: blob.download_as_bytes(
                         if_generation_match=generation, raw_download=True, retry=self._retry()
-                    )
+                    ))  # fmt: skip
                 except gexc.PreconditionFailed:
                     continue
                 return data, str(generation)
@@ -502,7 +519,8 @@ class GCSStore:
 
     def delete_if_version(self, key: str, version: str) -> None:
         with self._conditional(key, Op.DELETE):
-            self._bucket.blob(key).delete(if_generation_match=int(version), retry=self._retry())
+            blob = self._bucket.blob(key)
+            self._call(key, lambda: blob.delete(if_generation_match=int(version), retry=self._retry()))
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> GCSStore:

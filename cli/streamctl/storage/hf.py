@@ -33,16 +33,18 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile
-from huggingface_hub.utils import logging as hf_logging
 from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
 try:  # huggingface_hub 2.x speaks httpx2; 1.x spoke httpx (same API)
+    import httpcore2 as httpcore
     import httpx2 as httpx
 except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
+    import httpcore  # type: ignore[no-redef]
     import httpx  # type: ignore[no-redef]
 
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
 from streamctl.storage.url import ParsedURL
 
@@ -237,16 +239,29 @@ class HfStore:
             length = max(0, min(length, info.size - start))
         end, position, failures = start + length, start, 0
         while position < end:
+            # One deadline per GET (redirects included), for its headers and whole body; our caller's work
+            # between chunks runs outside the scope.
+            scope = deadlines.Scope(deadlines.policy().budget(end - position))
+            chunks = self._stream(key, position, end - position, chunk_size)
             try:
-                for chunk in self._stream(key, position, end - position, chunk_size):
+                while True:
+                    with deadlines.entered(scope):
+                        chunk = next(chunks, None)
+                    if chunk is None:
+                        return  # the range is complete, or the file ended first
                     position += len(chunk)
                     yield chunk
-                return  # the range is complete, or the file ended first
-            except _RETRYABLE as error:
+            except (*_RETRYABLE, deadlines.RequestCut) as error:
                 failures += 1
-                if failures >= self.max_attempts:
+                cut = isinstance(error, deadlines.RequestCut)
+                if failures >= self.max_attempts or (cut and error.cancelled):
+                    if cut:
+                        raise deadlines.final_error(error, self.url(key), self.max_attempts) from None
                     raise self._map(error, self.url(key)) from None
-                time.sleep(self.retry_wait * 2 ** (failures - 1))
+            finally:
+                chunks.close()
+                deadlines.leave(scope)
+            time.sleep(self.retry_wait * 2 ** (failures - 1))
 
     def _stream(self, key: str, start: int, length: int, chunk_size: int) -> Iterator[bytes]:
         """One ranged GET; status retries (5xx, 429) inside huggingface_hub's back-off, network errors raised."""
@@ -317,7 +332,7 @@ class HfStore:
         failures = 0
         while True:
             try:
-                return function()
+                return deadlines.call(function, url=what, attempts=self.max_attempts)
             except Exception as error:
                 if not is_client_error(error):
                     raise
@@ -408,10 +423,34 @@ def map_error(error: Exception, what: str, repo_type: str, repo_id: str, revisio
     return RemoteError(f"{what}: {type(error).__name__}: {error}")
 
 
+_install_lock = threading.Lock()
+
+
+def _install_deadlines() -> None:
+    """huggingface_hub's client with every transport wrapped by the per-request deadline (its timeouts are
+    per read, and its default client has none at all)."""
+    from huggingface_hub.utils import _http
+
+    make_client = _http.default_client_factory
+
+    def client_factory() -> httpx.Client:
+        client = make_client()
+        client._transport = deadlines.httpx_transport(httpx, httpcore, client._transport)
+        client._mounts = {
+            pattern: None if transport is None else deadlines.httpx_transport(httpx, httpcore, transport)
+            for pattern, transport in client._mounts.items()
+        }
+        return client
+
+    with _install_lock:
+        if not getattr(_http, "_streamctl_deadlines", False):
+            _http.set_client_factory(client_factory)
+            _http._streamctl_deadlines = True  # type: ignore[attr-defined]
+
+
 def open_store(parsed: ParsedURL, options: StorageOptions) -> HfStore:
     """Options override the URL: --revision / --repo-type / --token beat @REV and datasets/."""
-    # huggingface_hub logs its own retries to stderr; streamctl reports through its progress protocol.
-    hf_logging.set_verbosity_error()
+    _install_deadlines()
     repo_type = options.hf_repo_type or parsed.repo_type or "model"
     revision = options.hf_revision or parsed.revision
     return HfStore(

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
 
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
+from streamctl.storage import deadlines
 from streamctl.storage._errors import (
     Failure,
     Kind,
@@ -88,6 +90,7 @@ _STALE_CREDENTIALS = tuple(
     )
     if cls is not None
 )
+T = TypeVar("T")
 _NETWORK = (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError)
 
 
@@ -166,6 +169,7 @@ def _make_client(settings: S3Settings) -> Any:
         read_timeout=120,
         user_agent_extra="streamctl",
     )
+    deadlines.install_urllib3()  # read_timeout is per socket read: a dribbling server needs an overall deadline
     # A private session: boto3's default session is not safe to create clients from in several threads.
     return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
 
@@ -190,13 +194,18 @@ class S3MultipartUpload:
             raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
         extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._client.upload_part(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                PartNumber=index + 1,
-                Body=data,
-                **extra,
+            client = self.store._client
+            response = self.store._call(
+                self.key,
+                lambda: client.upload_part(
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=index + 1,
+                    Body=data,
+                    **extra,
+                ),
+                len(data),
             )
         part = {"PartNumber": index + 1, "ETag": response["ETag"]}
         if self.checksum_algorithm:
@@ -227,12 +236,19 @@ class S3MultipartUpload:
             with self._lock:
                 self._state = "completed"
             return info
+        size = sum(length for _, length in parts.values())
         with self.store._guard(Op.WRITE, self.key):
-            response = self.store._client.complete_multipart_upload(
-                Bucket=self.store.bucket,
-                Key=self.key,
-                UploadId=self.upload_id,
-                MultipartUpload={"Parts": [parts[index][0] for index in indices]},
+            client = self.store._client
+            # S3 may take minutes to assemble a large object (it sends whitespace meanwhile): scale by size.
+            response = self.store._call(
+                self.key,
+                lambda: client.complete_multipart_upload(
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": [parts[index][0] for index in indices]},
+                ),
+                size,
             )
         with self._lock:
             self._state = "completed"
@@ -252,8 +268,12 @@ class S3MultipartUpload:
             self._state = "aborting"  # refuses further parts
         try:
             with self.store._guard(Op.WRITE, self.key):
-                self.store._client.abort_multipart_upload(
-                    Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
+                client = self.store._client
+                self.store._call(
+                    self.key,
+                    lambda: client.abort_multipart_upload(
+                        Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
+                    ),
                 )
         except StreamctlError as error:
             # NoSuchUpload: already gone (aborted elsewhere, or expired by a lifecycle rule).
@@ -297,6 +317,12 @@ class S3Store:
     def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
         return guard(lambda error: self._error(error, op, key))
 
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
+        return deadlines.call(
+            operation, url=self.url(key), attempts=self.settings.max_attempts, expected_bytes=expected_bytes
+        )
+
     def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
         failure = resolve_not_found(classify(error), self._bucket_exists)
         return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
@@ -304,7 +330,8 @@ class S3Store:
     def _bucket_exists(self) -> bool | None:
         # HEAD answers 404 without saying whether the bucket or the key is missing; ask about the bucket.
         try:
-            self._client.head_bucket(Bucket=self.bucket)
+            client = self._client
+            deadlines.call(lambda: client.head_bucket(Bucket=self.bucket), url=self.url(""), attempts=1)
             return True
         except bce.ClientError as error:
             return False if _client_error_status(error)[0] == 404 else None
@@ -324,13 +351,21 @@ class S3Store:
         with self._guard(Op.LIST, prefix):
             paginator = self._client.get_paginator("list_objects_v2")
             config = {"PageSize": self.page_size} if self.page_size else {}
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig=config):
-                for item in page.get("Contents", ()):
-                    yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
+
+            def items() -> Iterator[dict[str, Any]]:
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, PaginationConfig=config):
+                    yield from page.get("Contents", ())
+
+            listing = deadlines.iterate(
+                items, lambda item: item["Key"], url=self.url(prefix), attempts=self.settings.max_attempts
+            )
+            for item in listing:
+                yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
-            return self._info(key, self._client.head_object(Bucket=self.bucket, Key=key))
+            client = self._client
+            return self._info(key, self._call(key, lambda: client.head_object(Bucket=self.bucket, Key=key)))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         check_range(start, length)
@@ -338,15 +373,18 @@ class S3Store:
             self.stat(key)  # an empty range still reports a missing object
             return b""
         with self._guard(Op.READ, key):
+            client = self._client
+
+            def get() -> tuple[dict[str, Any], bytes]:
+                response = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+                return response, response["Body"].read()  # the body inside the deadline too
+
             try:
-                response = self._client.get_object(
-                    Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}"
-                )
+                response, data = self._call(key, get, length)
             except bce.ClientError as error:
                 if _client_error_status(error)[0] == 416:
                     return b""  # the range starts at or after the end of the object
                 raise
-            data = response["Body"].read()
         if not response.get("ContentRange"):
             data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
         return data
@@ -356,12 +394,17 @@ class S3Store:
     ) -> ObjectInfo:
         metadata = lower_keys(metadata)
         with self._guard(Op.WRITE, key):
-            response = self._client.put_object(
-                Bucket=self.bucket,
-                Key=key,
-                Body=data,
-                Metadata=metadata,
-                ContentType=content_type or content_type_for(key),
+            client = self._client
+            response = self._call(
+                key,
+                lambda: client.put_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=data,
+                    Metadata=metadata,
+                    ContentType=content_type or content_type_for(key),
+                ),
+                len(data),
             )
         return ObjectInfo(key, len(data), strip_etag(response.get("ETag")), metadata)
 
@@ -374,37 +417,53 @@ class S3Store:
         extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
         with self._guard(Op.WRITE, key):
             if size <= MAX_COPY_OBJECT_BYTES:
-                response = self._client.copy_object(
-                    Bucket=self.bucket,
-                    Key=key,
-                    CopySource=source,
-                    Metadata=metadata,
-                    MetadataDirective="REPLACE",
-                    ContentType=content_type,
-                    **extra,
+                response = self._call(
+                    key,
+                    lambda: self._client.copy_object(
+                        Bucket=self.bucket,
+                        Key=key,
+                        CopySource=source,
+                        Metadata=metadata,
+                        MetadataDirective="REPLACE",
+                        ContentType=content_type,
+                        **extra,
+                    ),
+                    size,  # the service copies it all before it answers
                 )
                 return strip_etag(response.get("CopyObjectResult", {}).get("ETag"))
-            upload_id = self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type
+            upload_id = self._call(
+                key,
+                lambda: self._client.create_multipart_upload(
+                    Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type
+                ),
             )["UploadId"]
             try:
                 parts = []
                 for number, start in enumerate(range(0, size, COPY_PART_BYTES), start=1):
                     end = min(start + COPY_PART_BYTES, size) - 1
-                    copied = self._client.upload_part_copy(
-                        Bucket=self.bucket,
-                        Key=key,
-                        UploadId=upload_id,
-                        PartNumber=number,
-                        CopySource=source,
-                        CopySourceRange=f"bytes={start}-{end}",
+                    copied = self._call(
+                        key,
+                        partial(
+                            self._client.upload_part_copy,
+                            Bucket=self.bucket,
+                            Key=key,
+                            UploadId=upload_id,
+                            PartNumber=number,
+                            CopySource=source,
+                            CopySourceRange=f"bytes={start}-{end}",
+                        ),
+                        end + 1 - start,
                     )
                     parts.append({"PartNumber": number, "ETag": copied["CopyPartResult"]["ETag"]})
-                response = self._client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                response = self._call(
+                    key,
+                    lambda: self._client.complete_multipart_upload(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                    ),
+                    size,
                 )
             except BaseException:
-                self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                self._call(key, lambda: self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id))
                 raise
             return strip_etag(response.get("ETag"))
 
@@ -418,8 +477,12 @@ class S3Store:
             # =when_required, for S3-compatible services that reject them).
             checksums = self._client.meta.config.request_checksum_calculation == "when_supported"
             extra = {"ChecksumAlgorithm": "CRC32"} if checksums else {}
-            response = self._client.create_multipart_upload(
-                Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type, **extra
+            client = self._client
+            response = self._call(
+                key,
+                lambda: client.create_multipart_upload(
+                    Bucket=self.bucket, Key=key, Metadata=metadata, ContentType=content_type, **extra
+                ),
             )
         return S3MultipartUpload(
             self, key, part_size, response["UploadId"], metadata, "CRC32" if checksums else None, content_type
@@ -428,7 +491,8 @@ class S3Store:
     def delete(self, key: str) -> None:
         try:
             with self._guard(Op.DELETE, key):
-                self._client.delete_object(Bucket=self.bucket, Key=key)
+                client = self._client
+                self._call(key, lambda: client.delete_object(Bucket=self.bucket, Key=key))
         except StreamctlError as error:
             if isinstance(error.__cause__, bce.ClientError) and classify(error.__cause__).kind in (
                 Kind.NO_BUCKET,
@@ -444,7 +508,8 @@ class S3Store:
         unfinished = []
         with self._guard(Op.LIST, prefix):
             paginator = self._client.get_paginator("list_multipart_uploads")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            pages = self._call(prefix, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
+            for page in pages:
                 for item in page.get("Uploads", ()):
                     upload = S3MultipartUpload(self, item["Key"], 0, item["UploadId"], {})
                     unfinished.append(UnfinishedUpload(item["Key"], None, upload.abort, item.get("Initiated")))
@@ -467,31 +532,34 @@ class S3Store:
 
     def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
         with self._conditional(key, Op.WRITE):
-            response = self._client.put_object(
+            response = self._call(key, lambda: self._client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, Metadata=lower_keys(metadata),
                 ContentType="application/octet-stream", IfNoneMatch="*",
-            )  # fmt: skip
+            ), len(data))  # fmt: skip
         return str(response["ETag"])
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         with self._guard(Op.READ, key):
-            response = self._client.get_object(Bucket=self.bucket, Key=key)
-            return response["Body"].read(), str(response["ETag"])
+            def read() -> tuple[bytes, str]:
+                response = self._client.get_object(Bucket=self.bucket, Key=key)
+                return response["Body"].read(), str(response["ETag"])
+
+            return self._call(key, read)
 
     def replace_if_version(
         self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
     ) -> str:
         with self._conditional(key, Op.WRITE):
-            response = self._client.put_object(
+            response = self._call(key, lambda: self._client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, Metadata=lower_keys(metadata),
                 ContentType="application/octet-stream", IfMatch=version,
-            )  # fmt: skip
+            ), len(data))  # fmt: skip
         return str(response["ETag"])
 
     def delete_if_version(self, key: str, version: str) -> None:
         # Conditional deletes: S3 general purpose buckets accept If-Match on DeleteObject (since 2025).
         with self._conditional(key, Op.DELETE):
-            self._client.delete_object(Bucket=self.bucket, Key=key, IfMatch=version)
+            self._call(key, lambda: self._client.delete_object(Bucket=self.bucket, Key=key, IfMatch=version))
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> S3Store:

@@ -1,0 +1,435 @@
+"""An overall deadline for every HTTP request a backend makes: connect, first byte and whole body.
+
+SDK timeouts are per socket operation (botocore's read_timeout, requests' and httpx's read timeouts), so a
+server that sends one byte every few seconds, or headers one byte at a time, keeps a request alive forever.
+Here each request gets `base + expected_bytes / floor_rate` seconds of wall time, whatever the SDK does.
+
+How it holds against every SDK: the store wraps each SDK call in a *scope* (thread-local). Transport hooks
+tell the scope when each HTTP request starts and which socket carries it:
+  - urllib3 (botocore for S3; requests for GCS and Azure): `HTTPConnectionPool._make_request` starts a
+    request on a connection, `_put_conn` ends it when the connection goes back to the pool;
+  - httpx (huggingface_hub): a transport wrapper starts each request, a network-backend wrapper reports the
+    socket of every read and write.
+One watchdog thread shuts down (`shutdown(SHUT_RDWR)`, at the C level, so TLS sockets too) the socket of any
+request past its deadline: the SDK's blocked read returns at once with an error the SDK cannot retry into a
+hang, because the next request that scope starts is refused (`_Refused`, a BaseException that SDK retry
+loops, which catch Exception, let through). The scope then reports a `RequestCut`; `call` and `iterate`
+retry the operation (retry.py) up to the store's attempts, each with a fresh deadline, and finally raise
+`DeadlineExceededError` (exit 6) naming the endpoint as host:port.
+
+`cut_all()` cuts every request in flight at once: Ctrl-C and failed runs call it, so worker threads blocked
+on a silent server end now rather than at their deadlines.
+
+Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and
+STREAMCTL_DEADLINE_FLOOR_BPS. Nothing here imports an SDK until a backend installs its hook.
+"""
+
+from __future__ import annotations
+
+import _socket
+import heapq
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from streamctl.errors import DeadlineExceededError, RemoteError
+from streamctl.retry import RetryPolicy
+
+T = TypeVar("T")
+KiB = 1024
+
+# Defaults: a minute for connect + headers + a small body, plus the body at 128 KiB/s. A transfer runs ~32
+# requests at once, so 128 KiB/s per request is ~4 MiB/s for the whole link: a 1 TB transfer over a slow but
+# healthy 50 Mbit/s link (~190 KiB/s per request) is never cut, while a server that stalls is cut in minutes.
+DEFAULT_BASE_S = 60.0
+DEFAULT_FLOOR_BPS = 128 * KiB
+_RETRY_DELAYS = RetryPolicy(attempts=1, base_delay_s=0.5, max_delay_s=5.0)
+_SOCKET_RETRY_S = 0.05  # how soon the watchdog looks again for a socket still being connected
+
+
+@dataclass(frozen=True)
+class DeadlinePolicy:
+    base_s: float = DEFAULT_BASE_S
+    floor_bytes_per_s: float = DEFAULT_FLOOR_BPS
+
+    def budget(self, expected_bytes: int = 0) -> float:
+        """Seconds one request may take, from its start to the last byte of its answer."""
+        return self.base_s + max(0, expected_bytes) / self.floor_bytes_per_s
+
+
+def policy(environ: dict[str, str] | os._Environ[str] = os.environ) -> DeadlinePolicy:
+    def number(name: str, default: float) -> float:
+        try:
+            value = float(environ.get(name, "") or default)
+        except ValueError:
+            return default
+        return value if value > 0 else default
+
+    return DeadlinePolicy(
+        number("STREAMCTL_DEADLINE_BASE_S", DEFAULT_BASE_S), number("STREAMCTL_DEADLINE_FLOOR_BPS", DEFAULT_FLOOR_BPS)
+    )
+
+
+class RequestCut(RemoteError):
+    """One attempt was cut at its deadline (internal: `call` and `iterate` retry it or raise the final error)."""
+
+    def __init__(self, endpoint: str, budget_s: float, cancelled: bool) -> None:
+        super().__init__(f"no complete answer from {endpoint} within {budget_s:.3g} s")
+        self.endpoint = endpoint
+        self.budget_s = budget_s
+        self.cancelled = cancelled
+
+
+class _Refused(BaseException):
+    """Raised by a transport hook when a cut scope starts another request (an SDK retry): a BaseException,
+    so that SDK retry loops (which catch Exception) cannot turn one deadline into several."""
+
+
+@dataclass(eq=False)
+class Scope:
+    """The deadline state of one SDK call on one thread; requests inside it are timed one at a time."""
+
+    budget_s: float
+    endpoint: str = "the server"
+    cut: bool = False
+    cancelled: bool = False
+    expires_at: float | None = None  # deadline of the request in flight; None between requests
+    connection: Any = None  # the urllib3 connection of that request (its .sock may appear later)
+    io_socket: socket.socket | None = None  # the socket the httpx hooks last saw
+    _shut: bool = False
+
+    def socket(self) -> socket.socket | None:
+        sock = getattr(self.connection, "sock", None) if self.connection is not None else None
+        return sock or self.io_socket
+
+
+class _Watchdog:
+    """One daemon thread that shuts down the sockets of requests past their deadline."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._scopes: set[Scope] = set()
+        self._heap: list[tuple[float, int, Scope]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def begin(self, scope: Scope, endpoint: str, connection: Any = None) -> None:
+        """A request starts in `scope` (called by the transport hooks on the requesting thread)."""
+        if scope.cut:
+            raise _Refused()
+        with self._lock:
+            scope.endpoint = endpoint
+            scope.connection = connection
+            scope.io_socket = None
+            scope.expires_at = time.monotonic() + scope.budget_s
+            scope._shut = False
+            self._scopes.add(scope)
+            heapq.heappush(self._heap, (scope.expires_at, next(self._order), scope))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="streamctl-deadlines", daemon=True)
+                self._thread.start()
+            self._lock.notify()
+
+    def end_request(self, scope: Scope) -> None:
+        with self._lock:
+            scope.expires_at = None
+            scope.connection = None
+            scope.io_socket = None
+
+    def release(self, connection: Any) -> None:
+        """A urllib3 connection went back to its pool: the request on it is over."""
+        with self._lock:
+            for scope in self._scopes:
+                if scope.connection is connection:
+                    scope.expires_at = None
+                    scope.connection = None
+                    scope.io_socket = None
+
+    def leave(self, scope: Scope) -> None:
+        with self._lock:
+            self._scopes.discard(scope)
+            scope.expires_at = None
+            scope.connection = None
+            scope.io_socket = None
+
+    def cut_all(self) -> int:
+        with self._lock:
+            scopes = list(self._scopes)
+            for scope in scopes:
+                scope.cut = scope.cancelled = True
+                self._shutdown(scope)
+            return len(scopes)
+
+    def _shutdown(self, scope: Scope) -> bool:
+        sock = scope.socket()
+        if sock is None:
+            return False
+        try:
+            # The C method: ssl.SSLSocket.shutdown would also drop its TLS state under the reading thread.
+            _socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        except (OSError, TypeError, ValueError):
+            pass  # already closed: the request is over anyway
+        scope._shut = True
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                while self._heap:
+                    expires_at, _, scope = self._heap[0]
+                    if scope not in self._scopes or scope.expires_at != expires_at:
+                        heapq.heappop(self._heap)  # that request ended, or a later one replaced it
+                        continue
+                    if expires_at > now:
+                        break
+                    scope.cut = True
+                    if self._shutdown(scope):
+                        heapq.heappop(self._heap)
+                    else:  # still connecting: the socket exists in a moment (connect has its own timeout)
+                        heapq.heapreplace(self._heap, (now + _SOCKET_RETRY_S, next(self._order), scope))
+                        scope.expires_at = now + _SOCKET_RETRY_S
+                        break
+                wait = self._heap[0][0] - now if self._heap else None
+                self._lock.wait(timeout=wait)
+
+
+_WATCHDOG = _Watchdog()
+_local = threading.local()
+
+
+def current() -> Scope | None:
+    return getattr(_local, "scope", None)
+
+
+def leave(scope: Scope) -> None:
+    """`scope` makes no more requests (for scopes entered several times with `entered`)."""
+    _WATCHDOG.leave(scope)
+
+
+def cut_all() -> int:
+    """Cut every request in flight now (Ctrl-C, a failed run); returns how many scopes were cut."""
+    return _WATCHDOG.cut_all()
+
+
+@contextmanager
+def entered(scope: Scope) -> Iterator[Scope]:
+    """Make `scope` the thread's scope for the block; a cut inside it becomes RequestCut (even on success:
+    a body cut short may look complete to an SDK that does not check its length)."""
+    previous = current()
+    _local.scope = scope
+    try:
+        yield scope
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as error:
+        if scope.cut:
+            raise RequestCut(scope.endpoint, scope.budget_s, scope.cancelled) from error
+        if isinstance(error, _Refused):  # not ours: cannot happen, but never leak the signal
+            raise RequestCut(scope.endpoint, scope.budget_s, scope.cancelled) from None
+        raise
+    finally:
+        _local.scope = previous
+        _WATCHDOG.end_request(scope)
+    if scope.cut:
+        raise RequestCut(scope.endpoint, scope.budget_s, scope.cancelled)
+
+
+@contextmanager
+def scoped(budget_s: float) -> Iterator[Scope]:
+    scope = Scope(budget_s)
+    try:
+        with entered(scope):
+            yield scope
+    finally:
+        _WATCHDOG.leave(scope)
+
+
+def final_error(cut: RequestCut, url: str, attempts: int) -> DeadlineExceededError:
+    if cut.cancelled:
+        return DeadlineExceededError(f"{url}: request to {cut.endpoint} cancelled")
+    tries = f"{attempts} attempts" if attempts > 1 else "1 attempt"
+    return DeadlineExceededError(
+        f"{url}: {cut.message} ({tries}; connect, headers and body count)",
+        hint=f"{cut.endpoint} accepts requests but answers too slowly or not at all: check the network, "
+        "the endpoint and any proxy in between",
+    )
+
+
+def call(operation: Callable[[], T], *, url: str, attempts: int, expected_bytes: int = 0) -> T:
+    """Run one SDK call under a deadline per request; a cut attempt is retried, up to `attempts` in all."""
+    budget = policy().budget(expected_bytes)
+    for cuts in itertools.count(1):
+        try:
+            with scoped(budget):
+                return operation()
+        except RequestCut as cut:
+            if cut.cancelled or cuts >= attempts:
+                raise final_error(cut, url, attempts) from cut
+        time.sleep(_RETRY_DELAYS.delay(cuts - 1))
+    raise AssertionError("unreachable")
+
+
+def iterate(
+    open_listing: Callable[[], Iterable[T]], key: Callable[[T], str], *, url: str, attempts: int
+) -> Iterator[T]:
+    """A listing in key order under a deadline per page request. Only fetching the next item runs inside a
+    scope (never the caller's work between items); a cut listing starts again and skips what was yielded."""
+    budget = policy().budget()
+    last: str | None = None
+    cuts = 0
+    while True:
+        try:
+            with scoped(budget):
+                iterator = iter(open_listing())
+            while True:
+                with scoped(budget):
+                    item = next(iterator, _END)
+                if item is _END:
+                    return
+                name = key(item)  # type: ignore[arg-type]
+                if last is not None and name <= last:
+                    continue  # already yielded before a restart
+                last = name
+                yield item  # type: ignore[misc]
+        except RequestCut as cut:
+            cuts += 1
+            if cut.cancelled or cuts >= attempts:
+                raise final_error(cut, url, attempts) from cut
+            time.sleep(_RETRY_DELAYS.delay(cuts - 1))
+
+
+_END = object()
+
+
+# -- transport hooks ---------------------------------------------------------------------------------------
+
+_install_lock = threading.Lock()
+_installed: set[str] = set()
+
+
+def install_urllib3() -> None:
+    """Time every urllib3 request made inside a scope (botocore, requests). Outside scopes: no effect."""
+    with _install_lock:
+        if "urllib3" in _installed:
+            return
+        from urllib3.connectionpool import HTTPConnectionPool
+
+        make_request = HTTPConnectionPool._make_request
+        put_conn = HTTPConnectionPool._put_conn
+
+        def _make_request(self: Any, conn: Any, *args: Any, **kwargs: Any) -> Any:
+            scope = current()
+            if scope is None:
+                return make_request(self, conn, *args, **kwargs)
+            _WATCHDOG.begin(scope, f"{self.host}:{self.port}", conn)
+            response = make_request(self, conn, *args, **kwargs)
+            # http.client drops conn.sock once the headers say `Connection: close`; the body still flows
+            # through the response's socket file.
+            sock = _response_socket(response)
+            if sock is not None and scope.connection is conn:
+                scope.io_socket = sock
+            return response
+
+        def _put_conn(self: Any, conn: Any) -> None:
+            if conn is not None:
+                _WATCHDOG.release(conn)
+            put_conn(self, conn)
+
+        HTTPConnectionPool._make_request = _make_request  # type: ignore[method-assign]
+        HTTPConnectionPool._put_conn = _put_conn  # type: ignore[method-assign]
+        _installed.add("urllib3")
+
+
+def _response_socket(response: Any) -> socket.socket | None:
+    """The socket under a urllib3 response (its http.client response's socket file), if it has one."""
+    raw = getattr(getattr(getattr(response, "_fp", None), "fp", None), "raw", None)
+    sock = getattr(raw, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def httpx_transport(httpx: Any, httpcore: Any, inner: Any) -> Any:
+    """Wrap an httpx HTTPTransport so each request inside a scope is timed and its sockets reported."""
+    pool = getattr(inner, "_pool", None)
+    if pool is not None and hasattr(pool, "_network_backend"):
+        pool._network_backend = _network_backend(httpcore, pool._network_backend)
+
+    class _Body(httpx.SyncByteStream):  # type: ignore[misc, name-defined]
+        def __init__(self, stream: Any, scope: Scope) -> None:
+            self._stream, self._scope = stream, scope
+
+        def __iter__(self) -> Iterator[bytes]:
+            yield from self._stream
+
+        def close(self) -> None:
+            try:
+                self._stream.close()
+            finally:
+                _WATCHDOG.end_request(self._scope)
+
+    class DeadlineTransport(httpx.BaseTransport):  # type: ignore[misc, name-defined]
+        def handle_request(self, request: Any) -> Any:
+            scope = current()
+            if scope is None:
+                return inner.handle_request(request)
+            _WATCHDOG.begin(scope, f"{request.url.host}:{request.url.port or _default_port(request.url.scheme)}")
+            response = inner.handle_request(request)
+            response.stream = _Body(response.stream, scope)
+            return response
+
+        def close(self) -> None:
+            inner.close()
+
+    return DeadlineTransport()
+
+
+def _default_port(scheme: str) -> int:
+    return 443 if scheme == "https" else 80
+
+
+def _network_backend(httpcore: Any, inner: Any) -> Any:
+    def report(stream: Any) -> None:
+        scope = current()
+        if scope is not None and scope.expires_at is not None:
+            sock = stream.get_extra_info("socket")
+            if sock is not None:
+                scope.io_socket = sock
+
+    class Stream(httpcore.NetworkStream):  # type: ignore[misc, name-defined]
+        def __init__(self, stream: Any) -> None:
+            self._stream = stream
+
+        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            report(self._stream)
+            return self._stream.read(max_bytes, timeout)
+
+        def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            report(self._stream)
+            self._stream.write(buffer, timeout)
+
+        def close(self) -> None:
+            self._stream.close()
+
+        def start_tls(self, ssl_context: Any, server_hostname: str | None = None, timeout: float | None = None) -> Any:
+            return Stream(self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+        def get_extra_info(self, info: str) -> Any:
+            return self._stream.get_extra_info(info)
+
+    class Backend(httpcore.NetworkBackend):  # type: ignore[misc, name-defined]
+        def connect_tcp(self, *args: Any, **kwargs: Any) -> Any:
+            return Stream(inner.connect_tcp(*args, **kwargs))
+
+        def connect_unix_socket(self, *args: Any, **kwargs: Any) -> Any:
+            return Stream(inner.connect_unix_socket(*args, **kwargs))
+
+        def sleep(self, seconds: float) -> None:
+            inner.sleep(seconds)
+
+    return Backend()

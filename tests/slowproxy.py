@@ -1,0 +1,164 @@
+"""An HTTP proxy on 127.0.0.1 that answers chosen requests slowly, or never, in front of a real test server.
+
+Every request goes upstream on a connection of its own (the proxy asks for `Connection: close`), so each
+request can be judged by its method and path. A matching request gets one of these answers:
+  "silent"      the connection is accepted and the request read, but nothing is ever answered;
+  "slow_head"   the upstream answer, from its first byte, one byte every `interval_s`;
+  "dribble"     the upstream headers at once, then the body one byte every `interval_s`;
+  "steady"      the upstream answer at `rate_bps` bytes per second, in small even steps (slow but healthy).
+Other requests are passed through unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+Match = Callable[[str, str], bool]  # (method, path with query) -> whether to slow this request down
+
+
+def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """(head including the blank line, bytes already read past it); empty head when the peer closed."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return b"", data
+        data += chunk
+    end = data.index(b"\r\n\r\n") + 4
+    return data[:end], data[end:]
+
+
+def _with_connection_close(head: bytes) -> bytes:
+    lines = [line for line in head[:-4].split(b"\r\n") if not line.lower().startswith(b"connection:")]
+    return b"\r\n".join([*lines, b"Connection: close"]) + b"\r\n\r\n"
+
+
+def _content_length(head: bytes) -> int | None:
+    match = re.search(rb"\r\ncontent-length:\s*(\d+)", head, re.IGNORECASE)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class SlowProxy:
+    upstream_port: int
+    match: Match
+    mode: str = "dribble"
+    interval_s: float = 0.5
+    rate_bps: int = 256 * 1024
+    port: int = 0
+    hits: int = 0  # requests answered slowly (or not at all)
+    requests: int = 0
+    _listener: socket.socket | None = None
+    _stopped: threading.Event = field(default_factory=threading.Event)
+    _sockets: list[socket.socket] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def start(self) -> SlowProxy:
+        assert self.mode in ("silent", "slow_head", "dribble", "steady"), self.mode
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._lock:
+            for sock in self._sockets:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def __enter__(self) -> SlowProxy:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._sockets.append(client)
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream: socket.socket | None = None
+        try:
+            head, rest = _read_head(client)
+            if not head:
+                return
+            method, target = head.split(b" ", 2)[:2]
+            slow = self.match(method.decode(), target.decode())
+            with self._lock:
+                self.requests += 1
+                self.hits += int(slow)
+            if slow and self.mode == "silent":
+                while not self._stopped.is_set() and client.recv(65536):
+                    pass  # read the request (and its body) forever; answer nothing
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self._lock:
+                self._sockets.append(upstream)
+            upstream.sendall(_with_connection_close(head) + rest)
+            threading.Thread(target=self._pump_request, args=(client, upstream), daemon=True).start()
+            if not slow:
+                while data := upstream.recv(65536):
+                    client.sendall(data)
+                return
+            answer_head, body = _read_head(upstream)
+            length = _content_length(answer_head)
+            while (length is None or len(body) < length) and (data := upstream.recv(65536)):
+                body += data
+            if self.mode == "dribble":
+                client.sendall(answer_head)
+                self._trickle(client, body, 1, self.interval_s)
+            elif self.mode == "slow_head":
+                self._trickle(client, answer_head + body, 1, self.interval_s)
+            else:  # steady
+                step = max(1, self.rate_bps // 50)
+                self._trickle(client, answer_head + body, step, step / self.rate_bps)
+        except OSError:
+            pass
+        finally:
+            for sock in (client, upstream):
+                if sock is not None:
+                    try:
+                        sock.close()
+                    except OSError:
+                        pass
+
+    def _trickle(self, client: socket.socket, data: bytes, step: int, interval_s: float) -> None:
+        started = time.monotonic()
+        for index, offset in enumerate(range(0, len(data), step)):
+            # Paced against the start, so the average rate holds however late the thread wakes.
+            if self._stopped.wait(max(0.0, started + index * interval_s - time.monotonic())):
+                return
+            client.sendall(data[offset : offset + step])
+
+    @staticmethod
+    def _pump_request(client: socket.socket, upstream: socket.socket) -> None:
+        try:
+            while data := client.recv(65536):
+                upstream.sendall(data)
+        except OSError:
+            pass
