@@ -8,7 +8,6 @@ ru_maxrss survives exec on Linux, so a child of a large pytest process would sta
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 import time

@@ -662,8 +662,8 @@ class FailingStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata)
+    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
         outer = self
 
         class Upload:

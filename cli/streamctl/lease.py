@@ -326,7 +326,7 @@ class FencedStore:
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> ObjectInfo:
         self.guard()
-        return self.store.put(key, data, metadata, **_given(content_type=content_type))
+        return self.store.put(key, data, metadata, content_type)
 
     def delete(self, key: str) -> None:
         self.guard()
@@ -335,21 +335,16 @@ class FencedStore:
     def start_multipart(
         self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
     ) -> MultipartUpload:
-        upload = self.store.start_multipart(key, part_size, metadata, **_given(content_type=content_type))
+        upload = self.store.start_multipart(key, part_size, metadata, content_type)
         complete = upload.complete
 
         def guarded_complete(metadata: Mapping[str, str] | None = None) -> ObjectInfo:
             self.guard()
-            return complete(**_given(metadata=metadata))
+            return complete(metadata)
 
         # Patched on the instance rather than wrapped, so the upload keeps its type (local fast paths test it).
         upload.complete = guarded_complete  # type: ignore[method-assign]
         return upload
-
-
-def _given(**options: object) -> dict[str, object]:
-    """Only the options a caller set, so a store (or a test's wrapper) with the older signature still works."""
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def _metadata(body: bytes) -> dict[str, str]:

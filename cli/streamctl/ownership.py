@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamctl.errors import StreamctlError
-from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, is_safe_relative_path, listing_notes
+from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, is_safe_relative_path
 from streamctl.progress import Progress
-from streamctl.storage.base import Location
+from streamctl.storage.base import ListingNote, Location
 
 MANIFEST_NAMES = (MANIFEST_NAME, SHARD_MANIFEST_NAME)
 MAX_MANIFEST_BYTES = 100_000_000  # shard manifests list every tensor of every rank
@@ -121,10 +121,10 @@ def written_by_streamctl(manifests: Mapping[str, Mapping[str, Any] | None], exis
     return ours
 
 
-def unfollowed_links(dest: Location) -> list[str]:
-    """Links in a local DEST that its listing did not follow (they point outside it, dangle or loop): a
-    manifest may name one, and removing a link never touches what it points to."""
-    return [note.key for note in listing_notes(dest) if note.kind.startswith("symlink") and not note.listed]
+def unfollowed_links(dest_notes: Iterable[ListingNote]) -> list[str]:
+    """Links in a local DEST that its listing did not follow (they point outside it, dangle or loop), from
+    `listing_notes(dest)`: a manifest may name one, and removing a link never touches what it points to."""
+    return [note.key for note in dest_notes if note.kind.startswith("symlink") and not note.listed]
 
 
 def plan_cleanup(

@@ -862,12 +862,27 @@ def _list_dest(dest: Location) -> dict[str, ObjectInfo]:
         raise
 
 
-def _check_dest(dest: Location, pattern: str, writes: set[str], force: bool) -> Cleanup:
+@dataclass(frozen=True)
+class _DestState:
+    """One listing of DEST and the streamctl manifests in it, read once per decision about DEST."""
+
+    existing: dict[str, ObjectInfo]
+    manifests: dict[str, dict[str, Any] | None]
+
+
+def _read_dest(dest: Location) -> _DestState:
+    existing = _list_dest(dest)
+    return _DestState(existing, read_manifests(dest, {name: info.size for name, info in existing.items()}))
+
+
+def _check_dest(
+    dest: Location, pattern: str, writes: set[str], force: bool, state: _DestState | None = None
+) -> Cleanup:
     """UsageError when DEST holds files and --force is not given; with it, what --force removes there (files
     a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
-    existing = _list_dest(dest)
-    manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
-    candidates = [*existing, *unfollowed_links(dest)]
+    state = state or _read_dest(dest)
+    existing, manifests = state.existing, state.manifests
+    candidates = [*existing, *unfollowed_links(listing_notes(dest))]
     written_before = written_by_streamctl(manifests, candidates)
     from streamctl.sharded import parse_sharded_name
 
@@ -974,11 +989,12 @@ def _plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
     """`plan` with what DEST holds decided: without --force, a DEST holding this very plan's completed output
     (unchanged source) keeps its right rank files and replaces the rest, as transfer does; any other
     non-empty DEST is refused. With --force, what streamctl wrote there is replaced (see _check_dest)."""
-    rerun = None if force else _same_plan_before(dest, plan)
+    state = _read_dest(dest)
+    rerun = None if force else _same_plan_before(dest, plan, state)
     if rerun is None:
-        cleanup = _check_dest(dest, plan.pattern, _output_names(plan), force)
+        cleanup = _check_dest(dest, plan.pattern, _output_names(plan), force, state)
         return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused={})
-    cleanup = _check_dest(dest, plan.pattern, _output_names(plan), True)
+    cleanup = _check_dest(dest, plan.pattern, _output_names(plan), True, state)
     return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)
 
 
@@ -1012,22 +1028,16 @@ def _planned_ranks(plan: ShardPlan) -> list[dict[str, Any]]:
     ]
 
 
-def _same_plan_before(dest: Location, plan: ShardPlan) -> dict[str, str] | None:
+def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dict[str, str] | None:
     """When DEST holds the manifest of a completed run of the same plan from the same, unchanged source
     files: the rank files still there with the planned size and the manifest's sha256 (path -> sha256,
     possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
-    existing = _list_dest(dest)
-    info = existing.get(SHARD_MANIFEST_NAME)
-    if info is None or info.size > MAX_CONFIG_BYTES or not plan.source_files:
+    existing = state.existing
+    manifest = state.manifests.get(SHARD_MANIFEST_NAME)
+    if manifest is None or shard_run_incomplete(manifest) or not plan.source_files:
         return None
     if any(etag is None for _, _, etag in plan.source_files):
         return None  # no way to tell that the source did not change
-    try:
-        manifest = json.loads(dest.store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, info.size))
-    except (ValueError, UnicodeDecodeError, NotFoundError):
-        return None
-    if not isinstance(manifest, dict):
-        return None
     same_settings = all(
         manifest.get(key) == value
         for key, value in (

@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -308,10 +308,10 @@ def _decide(
     return plan("copy", "checksum differs", sha256)
 
 
-def _refuse_linked_dest_folders(dest: Location, paths: list[str]) -> None:
+def _refuse_linked_dest_folders(dest: Location, paths: list[str], dest_notes: Sequence[ListingNote]) -> None:
     """Refuse, before anything is written, a plan that would write below a symbolic link inside a local
     DEST (the store refuses it too, at the first such write; a link at DEST itself is the user's choice)."""
-    links = {note.key for note in listing_notes(dest) if note.kind.startswith("symlink")}
+    links = {note.key for note in dest_notes if note.kind.startswith("symlink")}
     for path in paths:
         parts = path.split("/")
         for depth in range(1, len(parts)):
@@ -364,7 +364,8 @@ def plan_transfer(
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
-    _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected])
+    dest_notes = listing_notes(dest)  # one scan of a local DEST for both uses below; other stores have none
+    _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected], dest_notes)
     files = []
     for selection in selections:
         if not selection.selected:
@@ -378,7 +379,7 @@ def plan_transfer(
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
-    candidates = [*existing, *unfollowed_links(dest)]
+    candidates = [*existing, *unfollowed_links(dest_notes)]
     written_before = written_by_streamctl(manifests, candidates)
     cleanup = plan_cleanup(candidates, writes, written_before, lambda name: False, options.force)
     return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
