@@ -43,7 +43,7 @@ from benchlib import (
     run_measured,
     scratch_dir,
 )
-from streamctl.safetensors import encode_safetensors_header
+from streamctl.checkpoint.safetensors import encode_safetensors_header
 
 # Llama-3-8B's layer shapes with Llama-2's vocabulary: 6 layers make ~3 GiB, and the embedding (250 MiB)
 # stays the largest tensor, so the memory target is a tight one (the writer must not hold a layer or a file).

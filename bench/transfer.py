@@ -76,7 +76,7 @@ TARGET_DISK = 16 * MiB
 
 def build_repo(total_bytes: int, seed: int = 2024) -> dict[str, bytes]:
     """The repo's files: SHARDS safetensors shards sharing `total_bytes`, plus the small files of a real repo."""
-    from streamctl.safetensors import encode_safetensors_header
+    from streamctl.checkpoint.safetensors import encode_safetensors_header
 
     rng = random.Random(seed)
     hidden = 4096

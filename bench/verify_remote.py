@@ -117,7 +117,7 @@ def model_tensors(model: ModelShape) -> list[tuple[str, list[int]]]:
 def build_checkpoint(shard_count: int, big_header_shards: Sequence[int], experts: int = 384) -> Checkpoint:
     """Split the model into `shard_count` shards by bytes; the shards in `big_header_shards` (0-based) also get
     `experts` x 3 tiny F32 scale tensors, which pushes their headers past the 100 kB first read."""
-    from streamctl.safetensors import encode_safetensors_header
+    from streamctl.checkpoint.safetensors import encode_safetensors_header
 
     model = ModelShape()
     tensors = model_tensors(model)
@@ -211,7 +211,7 @@ def list_shards(client: Any) -> list[tuple[str, int]]:
 
 def run_streamctl(endpoint: str, concurrency: int) -> tuple[float, int, int, int, bool, list[str]]:
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify import VerifyOptions, verify_checkpoint
+    from streamctl.verify.run import VerifyOptions, verify_checkpoint
 
     started = time.monotonic()
     location = open_location(f"s3://{BUCKET}", StorageOptions(endpoint_url=endpoint, path_style=True))

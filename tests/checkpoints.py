@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamctl.safetensors import safetensors_bytes, tensor_nbits
-from streamctl.sharded import default_pattern, format_name
+from streamctl.checkpoint.safetensors import safetensors_bytes, tensor_nbits
+from streamctl.checkpoint.sharded_names import default_pattern, format_name
 from streamctl.storage.base import Location, ObjectInfo, Store
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -45,10 +45,10 @@ def test_version() -> None:
 
 
 def test_committed_completions_are_current() -> None:
-    from streamctl.commands.completions import SCRIPTS
+    from streamctl.completions import SCRIPTS
 
     stale = [name for name, render in SCRIPTS.items() if (REPO / "completions" / name).read_text() != render()]
-    assert stale == [], "regenerate with: python -m streamctl.commands.completions completions/"
+    assert stale == [], "regenerate with: python -m streamctl.completions completions/"
 
 
 def test_bash_completion_completes_options_and_commands() -> None:

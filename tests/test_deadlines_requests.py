@@ -26,7 +26,7 @@ from servers import azurite_connection_string
 from slowproxy import SlowProxy
 
 from streamctl.errors import DeadlineExceededError
-from streamctl.safetensors import safetensors_bytes
+from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.storage import StorageOptions, open_location
 
 BASE_S = 1.5  # STREAMCTL_DEADLINE_BASE_S for these tests

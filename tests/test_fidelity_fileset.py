@@ -14,12 +14,13 @@ import shutil
 from pathlib import Path
 
 from oracle import pooling_config_many, requires_vllm_oracle
-from streamctl.fileset import config_references, read_config_references, select_serving_files
-from streamctl.safetensors import safetensors_bytes
-from streamctl.shard import ShardOptions, shard_checkpoint
+from streamctl.checkpoint.files import config_references, read_config_references, select_serving_files
+from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.shard.run import ShardOptions, shard_checkpoint
 from streamctl.storage import open_location
-from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer, source_identity
-from streamctl.verify import verify_checkpoint
+from streamctl.storage.url import source_identity
+from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
+from streamctl.verify.run import verify_checkpoint
 from tiny_models import write_tiny_checkpoint
 
 

@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 from servers import StorageServers
-from streamctl.shard import ShardOptions, shard_checkpoint
+from streamctl.shard.run import ShardOptions, shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage import s3 as s3_module
 from streamctl.storage.base import Location, content_type_for
 from streamctl.storage.local import MIME_TYPE_XATTR
-from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer, source_identity
+from streamctl.storage.url import source_identity
+from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
 from tiny_models import write_tiny_checkpoint
 
 SHA256_XATTR = "user.streamctl.sha256"

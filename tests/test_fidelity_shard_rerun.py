@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from streamctl.errors import UsageError
-from streamctl.shard import ShardOptions, shard_checkpoint
+from streamctl.shard.run import ShardOptions, shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 from tiny_models import write_tiny_checkpoint

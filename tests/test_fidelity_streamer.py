@@ -16,10 +16,10 @@ from checkpoints import TensorSpec, write_serving_files, write_tensor_file
 from cli_helpers import run_cli
 from oracle import requires_vllm_oracle, stream_runai_many
 from servers import StorageServers
-from streamctl.safetensors import DTYPE_BITS
+from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.storage import open_location
-from streamctl.streamer_compat import STREAMER_CODES, STREAMER_UNREADABLE_DTYPES
-from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.checkpoint.streamer_compat import STREAMER_CODES, STREAMER_UNREADABLE_DTYPES
+from streamctl.verify.run import VerifyOptions, VerifyReport, verify_checkpoint
 
 SHAPES = ((8,), (2, 4), (0,))
 

@@ -16,10 +16,10 @@ import pytest
 from checkpoints import write_serving_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streamctl.safetensors import parse_safetensors_bytes
+from streamctl.checkpoint.safetensors import parse_safetensors_bytes
 from test_verify_fuzz import mutated_files
 from streamctl.storage import open_location
-from streamctl.verify import verify_checkpoint
+from streamctl.verify.run import verify_checkpoint
 
 safetensors = pytest.importorskip("safetensors")
 from safetensors import safe_open  # noqa: E402

@@ -16,7 +16,7 @@ import pytest
 from checkpoints import write_serving_files
 from cli_helpers import run_cli
 from headers_helpers import run_main
-from streamctl.safetensors import safetensors_bytes
+from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.storage import open_location
 
 COMMANDS: dict[str, list[str]] = {  # each command's arguments before the source and what follows it
@@ -147,12 +147,12 @@ def test_an_interrupt_and_a_bug(
     exit_code: int,
     code: str,
 ) -> None:
-    import streamctl.verify
+    import streamctl.verify.run
 
     def explode(*_: object, **__: object) -> None:
         raise raised("boom")
 
-    monkeypatch.setattr(streamctl.verify, "verify_checkpoint", explode)
+    monkeypatch.setattr(streamctl.verify.run, "verify_checkpoint", explode)
     status, stdout, stderr = run_main(monkeypatch, capsys, "verify-index", str(broken_checkpoint), "--json")
     assert_failure(status, stdout, exit_code, code)
     assert "Traceback" not in stderr

@@ -18,7 +18,7 @@ import pytest
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="peak RSS is read from /proc")
 from checkpoints import write_serving_files
 from cli_helpers import run_cli
-from streamctl.safetensors import PROBLEMS_KEPT_PER_CODE, parse_safetensors_bytes, safetensors_bytes
+from streamctl.checkpoint.safetensors import PROBLEMS_KEPT_PER_CODE, parse_safetensors_bytes, safetensors_bytes
 from streamctl.storage import open_location
 
 # The budget of issue 9.13: peak RSS under ~4x the header size.
@@ -26,7 +26,7 @@ MAX_BYTES_PER_HEADER_BYTE = 4.0
 
 _MEASURE = r"""
 import sys, time
-from streamctl.safetensors import parse_header
+from streamctl.checkpoint.safetensors import parse_header
 def peak():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

@@ -24,10 +24,10 @@ import pytest
 
 from cli_helpers import run_cli
 from streamctl.errors import DestinationBusy
-from streamctl.fileset import MANIFEST_NAME
+from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.lease import Holder, LeaseSettings, acquire, hold_lease
 from streamctl.progress import NullProgress
-from streamctl.safetensors import safetensors_bytes
+from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.storage import open_location
 from streamctl.storage.base import LEASE_NAME, Location
 from tiny_models import write_tiny_checkpoint
@@ -381,9 +381,9 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     lease while vLLM saves, and releases it when the save fails."""
     import subprocess as subprocess_module
 
-    import streamctl.shard as shard_module
+    import streamctl.shard.run as shard_module
     from streamctl.errors import UsageError
-    from streamctl.shard import ShardOptions
+    from streamctl.shard.run import ShardOptions
 
     write_tiny_checkpoint(tmp_path / "hf", "llama-gqa")
     dest = open_location(str(tmp_path / "out"))

@@ -25,12 +25,12 @@ from cli_helpers import run_cli
 from test_shard import write_model
 
 from streamctl.errors import NotFoundError, RemoteError, StreamctlError
-from streamctl.fileset import SHARD_MANIFEST_NAME
+from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.retry import RetryPolicy
-from streamctl.shard import ShardOptions, shard_checkpoint
+from streamctl.shard.run import ShardOptions, shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
-from streamctl.verify import verify_checkpoint
+from streamctl.verify.run import verify_checkpoint
 
 FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)
 RANK_FILES = ("model-rank-0-part-0.safetensors", "model-rank-1-part-0.safetensors")

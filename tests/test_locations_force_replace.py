@@ -18,13 +18,13 @@ import pytest
 from cli_helpers import run_cli
 
 from streamctl.errors import UsageError
-from streamctl.fileset import MANIFEST_NAME
+from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.retry import RetryPolicy
-from streamctl.safetensors import safetensors_bytes
+from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
-from streamctl.verify import verify_checkpoint
+from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024
 FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)

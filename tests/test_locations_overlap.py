@@ -20,10 +20,10 @@ from cli_helpers import run_cli
 from test_shard import write_model
 
 from streamctl.errors import UsageError
-from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME
+from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.locations import check_disjoint, relation
-from streamctl.safetensors import safetensors_bytes
-from streamctl.shard import ShardOptions, shard_checkpoint, shard_with_vllm
+from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.shard.run import ShardOptions, shard_checkpoint, shard_with_vllm
 from streamctl.storage import StorageOptions, open_location
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from checkpoints import CountingStore
 from streamctl.errors import UsageError
-from streamctl.safetensors import (
+from streamctl.checkpoint.safetensors import (
     DTYPE_BITS,
     HF_MAX_HEADER_BYTES,
     MAX_HEADER_BYTES,

@@ -13,8 +13,8 @@ import pytest
 from cli_helpers import run_cli
 from oracle import _run, requires_vllm_oracle
 from streamctl.errors import UsageError
-from streamctl.serve import CheckpointFacts, ServeOptions, plan_launch
-from streamctl.vllm_args import SECRET_OPTIONS, VLLM_SERVE_OPTIONS, masked_arguments, secret_values
+from streamctl.serve.plan import CheckpointFacts, ServeOptions, plan_launch
+from streamctl.serve.vllm_args import SECRET_OPTIONS, VLLM_SERVE_OPTIONS, masked_arguments, secret_values
 
 K, K2, T = "sk-KEYsecret-1", "sk-KEYsecret-2", "hf_TOKENsecret"
 SPELLINGS: list[list[str]] = [

@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import run_cli
 from streamctl.demo import build_demo_checkpoint
 from streamctl.errors import UsageError
-from streamctl.serve import (
+from streamctl.serve.plan import (
     CheckpointFacts,
     EngramOptions,
     ServeOptions,

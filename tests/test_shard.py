@@ -22,8 +22,8 @@ import pytest
 from cli_helpers import run_cli
 from streamctl.errors import UsageError
 from streamctl.retry import RetryPolicy
-from streamctl.safetensors import parse_safetensors_bytes, safetensors_bytes
-from streamctl.shard import (
+from streamctl.checkpoint.safetensors import parse_safetensors_bytes, safetensors_bytes
+from streamctl.shard.run import (
     SHARD_MANIFEST_NAME,
     ShardCheckFailed,
     ShardOptions,
@@ -33,7 +33,7 @@ from streamctl.shard import (
     plan_shard,
     shard_checkpoint,
 )
-from streamctl.shard_layouts import LAYOUT_ROWS, layout_row, parse_version
+from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, layout_row, parse_version
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 
@@ -706,7 +706,7 @@ def test_reconstruction_check_catches_a_corrupted_file(tmp_path: Path) -> None:
 
 
 def test_a_failed_check_fails_the_run_and_writes_no_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import streamctl.shard as shard_module
+    import streamctl.shard.run as shard_module
 
     write_model(tmp_path / "hf", "llama-gqa")
     real = shard_module.block_chunks
@@ -1191,7 +1191,7 @@ def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_
     arguments, imports torch, and stops with exit 3 naming the GPUs it needs before building an engine."""
     import os
 
-    from streamctl.shard import VLLM_SAVE_SCRIPT
+    from streamctl.shard.run import VLLM_SAVE_SCRIPT
 
     arguments = {
         "model": str(tmp_path),
@@ -1220,7 +1220,7 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     rest of the path (copy to DEST, manifest, both checks) runs for real."""
     import subprocess as subprocess_module
 
-    import streamctl.shard as shard_module
+    import streamctl.shard.run as shard_module
 
     config, hf = write_model(tmp_path / "hf", "qwen2")
     commands: list[list[str]] = []

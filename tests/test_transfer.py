@@ -17,9 +17,9 @@ import pytest
 
 from cli_helpers import run_cli
 from streamctl.errors import IntegrityError, NotFoundError, UsageError
-from streamctl.fileset import MANIFEST_NAME, select_files
+from streamctl.checkpoint.files import MANIFEST_NAME, select_files
 from streamctl.retry import RetryPolicy
-from streamctl.safetensors import safetensors_bytes
+from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.sizes import parse_size
 from streamctl.storage import StorageOptions, open_location
 from streamctl.storage.base import Location
@@ -28,10 +28,9 @@ from streamctl.transfer import (
     execute_transfer,
     part_size_for,
     plan_transfer,
-    resolve_source_url,
-    source_identity,
 )
-from streamctl.verify import verify_checkpoint
+from streamctl.storage.url import resolve_source_url, source_identity
+from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024
 FAST_RETRY = RetryPolicy(attempts=4, base_delay_s=0.01, max_delay_s=0.05)

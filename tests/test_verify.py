@@ -32,9 +32,9 @@ from checkpoints import (
     write_single_file_checkpoint,
     write_tensor_file,
 )
-from streamctl import verify as verify_module
+from streamctl.verify import run as verify_module
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, UsageError
-from streamctl.sharded import (
+from streamctl.checkpoint.sharded_names import (
     DEFAULT_PATTERN,
     DEFAULT_PP_PATTERN,
     format_name,
@@ -44,7 +44,7 @@ from streamctl.sharded import (
 )
 from streamctl.storage import open_location
 from streamctl.storage.base import Location, ObjectInfo
-from streamctl.verify import (
+from streamctl.verify.run import (
     FINDINGS_PER_CODE_AND_FILE,
     Expectation,
     VerifyOptions,

@@ -13,13 +13,13 @@ import pytest
 from checkpoints import INDEX_NAME, LLAMA_CONFIG, put_bytes, write_serving_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from streamctl import verify as verify_module
+from streamctl.verify import run as verify_module
 from streamctl.errors import StreamctlError
-from streamctl.safetensors import parse_safetensors_bytes, safetensors_bytes
-from streamctl.sharded import DEFAULT_PATTERN, DEFAULT_PP_PATTERN, match_sharded
+from streamctl.checkpoint.safetensors import parse_safetensors_bytes, safetensors_bytes
+from streamctl.checkpoint.sharded_names import DEFAULT_PATTERN, DEFAULT_PP_PATTERN, match_sharded
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
-from streamctl.verify import VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.verify.run import VerifyOptions, VerifyReport, verify_checkpoint
 
 DOCUMENTED_CODES = frozenset(re.findall(r"^\| `([a-z0-9-]+)` \|", verify_module.__doc__ or "", re.MULTILINE))
 BASE_TENSORS: list[tuple[str, str, list[int], bytes]] = [
@@ -190,7 +190,7 @@ def _u64(value: Any) -> bool:
 
 
 def oracle_accepts(data: bytes) -> bool:
-    """Rules 1-9 written out plainly, independently of streamctl.safetensors (the parser under test).
+    """Rules 1-9 written out plainly, independently of streamctl.checkpoint.safetensors (the parser under test).
 
     Stricter than the reference reader in the same places streamctl is on purpose: duplicate keys,
     lone surrogates, and JSON nested deeper than 64 levels are invalid.

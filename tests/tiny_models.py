@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from streamctl.safetensors import TensorData, parse_safetensors_bytes, safetensors_bytes
+from streamctl.checkpoint.safetensors import TensorData, parse_safetensors_bytes, safetensors_bytes
 
 SAFETENSORS_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import random
-from streamctl.safetensors import TensorData, safetensors_bytes
+from streamctl.checkpoint.safetensors import TensorData, safetensors_bytes
 from streamctl.storage.base import Location
 
 DEMO_CONFIG = {

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from streamctl.errors import UsageError
 from streamctl.redact import has_credentials, mask_credentials
-from streamctl.vllm_args import secret_values
+from streamctl.serve.vllm_args import secret_values
 
 SECRET_HINT = (
     "a manifest is readable by everyone who can read the Deployment or Job: put the value in a Kubernetes "
@@ -200,7 +200,7 @@ def serve_manifests(
     /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
 
     UsageError when a secret would be written in clear text: a vLLM secret option however spelled
-    (`--api_key`, `--hf-tok=T`, see streamctl.vllm_args) or a URL with credentials anywhere.
+    (`--api_key`, `--hf-tok=T`, see streamctl.serve.vllm_args) or a URL with credentials anywhere.
     """
     secrets = secret_values(argv[1:])
     if secrets:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
 
     from streamctl.transfer import TransferPlan, TransferResult
-    from streamctl.tune import TuneResult
-    from streamctl.verify import VerifyReport
+    from streamctl.serve.tune import TuneResult
+    from streamctl.verify.run import VerifyReport
 
 
 @dataclass
@@ -442,7 +442,7 @@ def render_tune_result(result: TuneResult) -> None:
 # shard (appended section)
 
 if TYPE_CHECKING:
-    from streamctl.shard import ShardResult
+    from streamctl.shard.run import ShardResult
 
 
 def render_shard_result(result: ShardResult) -> None:

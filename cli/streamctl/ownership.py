@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamctl.errors import StreamctlError
-from streamctl.fileset import MANIFEST_NAME, SHARD_MANIFEST_NAME, is_safe_relative_path
+from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
+from streamctl.storage.base import is_safe_relative_path
 from streamctl.progress import Progress
 from streamctl.storage.base import ListingNote, Location
 
@@ -101,7 +102,7 @@ def manifest_paths(document: Mapping[str, Any]) -> set[str]:
 
 def written_by_streamctl(manifests: Mapping[str, Mapping[str, Any] | None], existing: Iterable[str]) -> set[str]:
     """Which of DEST's files the manifests found there say streamctl wrote, the manifests included."""
-    from streamctl.sharded import parse_sharded_name
+    from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     names = set(existing)
     ours = set(manifests) & names

@@ -16,8 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,11 +32,12 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.fileset import (
+from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.files import (
+    CONFIG_NAME,
     MANIFEST_NAME,
     SHARD_MANIFEST_NAME,
     Selection,
-    is_safe_relative_path,
     listing_notes,
     read_config_references,
     notes_to_json,
@@ -57,6 +56,7 @@ from streamctl.ownership import (
 from streamctl.lease import Lease, hold_lease
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
+from streamctl.storage.base import is_safe_relative_path
 from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
 from streamctl.storage import deadlines
 
@@ -66,7 +66,6 @@ DEFAULT_CONCURRENCY = 16
 HASH_CHUNK = 8 * MiB
 SHA256_KEY = "sha256"
 GIT_SHA1_KEY = "gitsha1"  # letters and digits only: Azure metadata names must be identifiers
-HF_INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -251,6 +250,17 @@ def _read_json(location: Location, path: str, size: int) -> object:
         return None
 
 
+def _indexed_shards(source: Location, size: int) -> frozenset[str] | None:
+    """The shard files the index names; None when the index cannot be read as one (then every
+    safetensors file is selected, and verify-index says what is wrong with the index)."""
+    if size > MAX_INDEX_BYTES:
+        return None
+    try:
+        return frozenset(parse_index(INDEX_NAME, source.store.read_range(source.key(INDEX_NAME), 0, size)).files)
+    except InvalidIndex:
+        return None
+
+
 def _check_manifest(
     dest: Location,
     manifests: Mapping[str, dict[str, object] | None],
@@ -340,16 +350,13 @@ def plan_transfer(
         raise UsageError(f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths")
     commit: str | None = getattr(source.store, "commit", None)
 
-    config = _read_json(source, "config.json", listing["config.json"].size) if "config.json" in listing else None
+    config = _read_json(source, CONFIG_NAME, listing[CONFIG_NAME].size) if CONFIG_NAME in listing else None
     has_auto_map = isinstance(config, dict) and bool(config.get("auto_map"))
     indexed_shards: frozenset[str] | None = None
-    if HF_INDEX_NAME in listing:
-        index = _read_json(source, HF_INDEX_NAME, listing[HF_INDEX_NAME].size)
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if isinstance(weight_map, dict):
-            indexed_shards = frozenset(str(name) for name in weight_map.values())
+    if INDEX_NAME in listing:
+        indexed_shards = _indexed_shards(source, listing[INDEX_NAME].size)
     sizes = {path: info.size for path, info in listing.items()}
-    known = {"config.json": config} if config is not None else {}
+    known = {CONFIG_NAME: config} if config is not None else {}
     referenced = {} if options.all_files else read_config_references(source, sizes, known)
     selections = select_files(
         listing,
@@ -721,34 +728,3 @@ def _execute_transfer(
     return TransferResult(
         plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
     )
-
-
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
-
-
-def resolve_source_url(text: str, repo_type: str | None = None) -> str:
-    """`org/name` means a Hugging Face repo unless a local folder of that name exists."""
-    if "://" in text or text.startswith(("/", ".", "~")) or os.path.exists(text):
-        return text
-    if _REPO_ID.match(text):
-        return f"hf://{'datasets/' if repo_type == 'dataset' else ''}{text}"
-    return text
-
-
-def pinned_source(location: Location) -> str:
-    """For manifests that record one string: a Hub source as the URL of the commit its revision resolved
-    to (`hf://ORG/NAME@SHA[/PATH]`, which opens those exact files again); other sources as they are."""
-    commit: str | None = getattr(location.store, "commit", None)
-    return source_identity(location, commit) if commit else location.url
-
-
-def source_identity(location: Location, commit: str | None = None) -> str:
-    """What the manifest records as the source: the repo without its revision (the commit is separate),
-    or pinned to `commit`."""
-    repo_id = getattr(location.store, "repo_id", None)
-    if repo_id is not None:
-        kind = getattr(location.store, "repo_type", "model")
-        path = f"/{location.prefix}" if location.prefix else ""
-        pin = f"@{commit}" if commit else ""
-        return f"hf://{'datasets/' if kind == 'dataset' else ''}{repo_id}{pin}{path}"
-    return location.url

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from streamctl import output
-from streamctl.commands.common import (
+from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -103,7 +103,7 @@ def command(
     apply_output_flags(json_output, quiet, debug)
     from streamctl.errors import MissingProgramError, UsageError, VerificationFailed
     from streamctl.k8s import DEFAULT_VLLM_IMAGE, k8s_name, serve_manifests, to_yaml_documents
-    from streamctl.serve import (
+    from streamctl.serve.plan import (
         CheckpointFacts,
         EngramOptions,
         ServeOptions,
@@ -117,7 +117,7 @@ def command(
         startup_budget_seconds,
     )
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify import Expectation, VerifyOptions, verify_checkpoint
+    from streamctl.verify.run import Expectation, VerifyOptions, verify_checkpoint
     from streamctl.words import plural
 
     engram_options = EngramOptions(
@@ -204,7 +204,7 @@ def command(
     if tune:
         from dataclasses import replace
 
-        from streamctl.tune import tune_concurrency
+        from streamctl.serve.tune import tune_concurrency
 
         shards = [info for info in location.list() if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)]
         if not shards:
@@ -265,7 +265,7 @@ def _layout_without_preflight(location: Location, sharded: Optional[bool], patte
     """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
     --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
     from streamctl.errors import StreamctlError
-    from streamctl.verify import VerifyOptions, detect_layout
+    from streamctl.verify.run import VerifyOptions, detect_layout
 
     if sharded is not None:
         return sharded

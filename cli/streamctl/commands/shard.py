@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from streamctl import output
-from streamctl.commands.common import (
+from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
     FollowSymlinksOption,
@@ -106,10 +106,10 @@ def command(
     apply_output_flags(json_output, quiet, debug)
     from streamctl.limits import MAX_OBJECT_SIZE
     from streamctl.memory import keep_freed_buffers_in_the_heap
-    from streamctl.shard import ShardCheckFailed, ShardOptions, shard_checkpoint
+    from streamctl.shard.run import ShardCheckFailed, ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
     from streamctl.storage import StorageOptions, open_destination, open_location
-    from streamctl.transfer import pinned_source, resolve_source_url
+    from streamctl.storage.url import pinned_source, resolve_source_url
 
     options = ShardOptions(
         tensor_parallel_size=tensor_parallel_size,

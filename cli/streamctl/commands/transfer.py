@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from streamctl import output
-from streamctl.commands.common import (
+from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
     FollowSymlinksOption,
@@ -98,9 +98,8 @@ def command(
         TransferOptions,
         execute_transfer,
         plan_transfer,
-        resolve_source_url,
-        source_identity,
     )
+    from streamctl.storage.url import resolve_source_url, source_identity
 
     options = TransferOptions(
         include=tuple(include or ()),
@@ -170,7 +169,7 @@ def command(
         result = execute_transfer(plan, source_location, dest_location, options, progress)
     report = None
     if verify and any(file.path.endswith(".safetensors") for file in plan.files):
-        from streamctl.verify import verify_checkpoint
+        from streamctl.verify.run import verify_checkpoint
 
         report = verify_checkpoint(dest_location)
     if output.settings.json:

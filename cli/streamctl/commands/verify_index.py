@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from streamctl import output
-from streamctl.commands.common import (
+from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -76,7 +76,7 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify import VerifyOptions, parse_expectation, verify_checkpoint
+    from streamctl.verify.run import VerifyOptions, parse_expectation, verify_checkpoint
 
     check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())

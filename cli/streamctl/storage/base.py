@@ -33,6 +33,32 @@ TEMPORARY_FOLDER = ".streamctl-tmp"
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 
 
+def unsafe_path_reason(path: str, *, allow_backslash: bool = False) -> str | None:
+    """Why `path` is not a plain relative path that stays inside its folder on every store, or None.
+    The one rule for file names from a listing, an index, a manifest, a Hub repo or a URL's prefix."""
+    if not path:
+        return "is empty"
+    if "\\" in path and not allow_backslash:
+        return "holds a backslash"
+    if "\x00" in path:
+        return "holds a NUL character"
+    if path.startswith("/"):
+        return "is an absolute path"
+    parts = path.split("/")
+    if ".." in parts:
+        return "climbs out of the folder with '..'"
+    if "." in parts:
+        return "holds '.' path segments"
+    if "" in parts:
+        return "holds an empty path segment"
+    return None
+
+
+def is_safe_relative_path(path: str) -> bool:
+    """A plain relative path: no absolute paths, backslashes, NULs, '..', '.' or empty segments."""
+    return unsafe_path_reason(path) is None
+
+
 def new_temporary_token() -> str:
     return os.urandom(8).hex()
 

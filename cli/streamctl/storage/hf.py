@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
-from urllib.parse import quote
 
 from huggingface_hub import HfApi, constants, hf_hub_url
 from huggingface_hub.errors import (
@@ -45,8 +44,9 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import deadlines
+from streamctl.storage.base import unsafe_path_reason
 from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
-from streamctl.storage.url import ParsedURL
+from streamctl.storage.url import ParsedURL, format_hf_url
 
 REPO_TYPES = ("model", "dataset")
 DEFAULT_REVISION = "main"
@@ -55,7 +55,6 @@ READ_ONLY = "the Hugging Face Hub is a read-only source"
 _RETRYABLE = (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError)
 _RETRY_STATUS = (408, 429, 500, 502, 503, 504)
 _API_TIMEOUT = 30.0  # seconds for the revision lookup; downloads use HF_HUB_DOWNLOAD_TIMEOUT per read
-_SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)$")
 # Exceptions from these packages are the client's to translate; anything else is a bug here and propagates.
 _CLIENT_MODULES = ("huggingface_hub", "httpx2", "httpx", "httpcore2", "httpcore", "h11", "h2")
 
@@ -64,21 +63,12 @@ T = TypeVar("T")
 
 def check_key(key: str) -> str:
     """Refuse repo file names that could escape a destination folder (or that URL normalisation would rewrite)."""
-    parts = key.split("/")
-    if not key or key.startswith("/") or "\\" in key or "\0" in key or any(p in ("", ".", "..") for p in parts):
+    if unsafe_path_reason(key) is not None:
         raise UsageError(
             f"unsafe file name {key!r} in a Hugging Face repo",
             hint="repo file names must be relative paths without '..', '.', empty segments or backslashes",
         )
     return key
-
-
-def format_url(repo_type: str, repo_id: str, revision: str | None, key: str = "") -> str:
-    """The user-facing hf:// URL (same grammar as huggingface_hub's own hf:// URIs)."""
-    url = "hf://" + ("datasets/" if repo_type == "dataset" else "") + repo_id
-    if revision is not None:
-        url += "@" + (revision if _SPECIAL_REF.match(revision) else quote(revision, safe=""))
-    return f"{url}/{key}" if key else url
 
 
 def object_info(entry: RepoFile) -> ObjectInfo:
@@ -130,7 +120,7 @@ class HfStore:
         return self.repo_id
 
     def url(self, key: str) -> str:
-        return format_url(self.repo_type, self.repo_id, self.revision, key)
+        return format_hf_url(self.repo_type, self.repo_id, self.revision, key)
 
     # -- revision ----------------------------------------------------------------------------------------------
 

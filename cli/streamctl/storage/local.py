@@ -36,6 +36,7 @@ from streamctl.errors import (
     UsageError,
 )
 from streamctl.storage.base import (
+    unsafe_path_reason,
     TEMPORARY_FOLDER,
     ObjectInfo,
     ListingNote,
@@ -379,7 +380,7 @@ class LocalStore:
 
     def _parts(self, key: str) -> list[str]:
         parts = [part for part in key.split("/") if part]
-        if any(part in ("..", ".") for part in parts) or "\\" in key:
+        if parts and unsafe_path_reason("/".join(parts)) is not None:
             raise UsageError(f"unsafe path {key!r}")
         return parts
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote, urlparse
+import os
+from urllib.parse import quote, unquote, urlparse
 
 from streamctl.errors import UsageError
+from streamctl.storage.base import Location, unsafe_path_reason
 
 OBJECT_SCHEMES = ("s3", "gs", "az")
 _AZURE_HTTPS = re.compile(r"^https://([a-z0-9]{3,24})\.blob\.core\.windows\.net(?:/(.*))?$", re.IGNORECASE)
@@ -34,13 +36,14 @@ def _split_bucket(rest: str, url: str) -> tuple[str, str]:
     if not _BUCKET.match(bucket):
         raise UsageError(f"invalid bucket or container name {bucket!r} in {url!r}")
     prefix = prefix.strip("/")
-    if any(part in ("..", ".") for part in prefix.split("/")) or "//" in prefix:
+    if prefix and unsafe_path_reason(prefix, allow_backslash=True) is not None:
         raise UsageError(f"invalid prefix {prefix!r} in {url!r}", hint="remove '.', '..' and empty path segments")
     return bucket, prefix
 
 
 _HF_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _HF_SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)(?=/|$)")
+_HF_WHOLE_SPECIAL_REF = re.compile(r"^refs/(?:convert/[\w.-]+|pr/\d+)$")
 
 
 def _parse_hf(rest: str, url: str) -> ParsedURL:
@@ -67,7 +70,7 @@ def _parse_hf(rest: str, url: str) -> ParsedURL:
     if at and not revision:
         raise UsageError(f"empty revision in {url!r}", hint="write it as hf://ORG/NAME@BRANCH-TAG-OR-COMMIT")
     prefix = tail.strip("/")
-    if any(part in ("..", ".") for part in prefix.split("/")) or "//" in prefix or "\\" in prefix:
+    if prefix and unsafe_path_reason(prefix) is not None:
         raise UsageError(f"invalid path {prefix!r} in {url!r}", hint="remove '.', '..' and empty path segments")
     return ParsedURL("hf", repo, prefix, revision=revision or None, repo_type=repo_type or "model")
 
@@ -110,3 +113,41 @@ def parse_url(url: str) -> ParsedURL:
         )
     bucket, prefix = _split_bucket(rest, url)
     return ParsedURL(scheme, bucket, prefix)
+
+
+def format_hf_url(repo_type: str, repo_id: str, revision: str | None = None, path: str = "") -> str:
+    """The hf:// URL that `_parse_hf` reads back (huggingface_hub's own grammar): a revision containing '/'
+    is written with %2F, except refs/pr/N and refs/convert/NAME."""
+    url = "hf://" + ("datasets/" if repo_type == "dataset" else "") + repo_id
+    if revision is not None:
+        url += "@" + (revision if _HF_WHOLE_SPECIAL_REF.match(revision) else quote(revision, safe=""))
+    return f"{url}/{path}" if path else url
+
+
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*(@[A-Za-z0-9._/-]+)?$")
+
+
+def resolve_source_url(text: str, repo_type: str | None = None) -> str:
+    """`org/name[@REV]` means a Hugging Face repo unless a local folder of that name exists."""
+    if "://" in text or text.startswith(("/", ".", "~")) or os.path.exists(text):
+        return text
+    if _REPO_ID.match(text):
+        repo_id, _, revision = text.partition("@")
+        return format_hf_url(repo_type or "model", repo_id, revision or None)
+    return text
+
+
+def pinned_source(location: Location) -> str:
+    """For manifests that record one string: a Hub source as the URL of the commit its revision resolved
+    to (`hf://ORG/NAME@SHA[/PATH]`, which opens those exact files again); other sources as they are."""
+    commit: str | None = getattr(location.store, "commit", None)
+    return source_identity(location, commit) if commit else location.url
+
+
+def source_identity(location: Location, commit: str | None = None) -> str:
+    """What the manifest records as the source: the repo without its revision (the commit is separate),
+    or pinned to `commit`."""
+    repo_id = getattr(location.store, "repo_id", None)
+    if repo_id is None:
+        return location.url
+    return format_hf_url(getattr(location.store, "repo_type", "model"), repo_id, commit, location.prefix)

@@ -95,12 +95,18 @@ from fnmatch import fnmatchcase
 from typing import Any, Literal
 
 from streamctl.errors import NotFoundError, UsageError
-from streamctl.fileset import SHARD_MANIFEST_NAME
+from streamctl.checkpoint.files import (
+    CONFIG_NAME,
+    MAX_CONFIG_BYTES,
+    MISTRAL_PARAMS_NAME,
+    SHARD_MANIFEST_NAME,
+    STANDALONE_TOKENIZER_FILES,
+)
 from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
 from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
-from streamctl.fileset import listing_notes, read_config_references
+from streamctl.checkpoint.files import listing_notes, read_config_references
 from streamctl.progress import NULL_PROGRESS, Progress
-from streamctl.safetensors import (
+from streamctl.checkpoint.safetensors import (
     DEFAULT_SPECULATIVE_BYTES,
     PROBLEMS_KEPT_PER_CODE,
     HeaderProblem,
@@ -110,7 +116,7 @@ from streamctl.safetensors import (
     printable,
     read_header,
 )
-from streamctl.sharded import (
+from streamctl.checkpoint.sharded_names import (
     ShardedName,
     default_pattern,
     match_sharded,
@@ -121,31 +127,17 @@ from streamctl.sharded import (
     rank_loading,
     validate_pattern,
 )
-from streamctl.storage.base import Location
-from streamctl.streamer_compat import streamer_problem
+from streamctl.storage.base import Location, unsafe_path_reason
+from streamctl.checkpoint.index import INDEX_NAME, INDEX_NAMES, MAX_INDEX_BYTES, CheckpointIndex, InvalidIndex, parse_index
+from streamctl.checkpoint.streamer_compat import streamer_problem
 from streamctl.storage import deadlines
 
 Severity = Literal["error", "warning"]
 Layout = Literal["indexed", "single", "sharded"]
 
-INDEX_NAME = "model.safetensors.index.json"
-MISTRAL_INDEX_NAME = "consolidated.safetensors.index.json"
-CONFIG_NAME = "config.json"
-MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
-MAX_INDEX_BYTES = 100_000_000
-MAX_CONFIG_BYTES = 10_000_000
 SHARD_INCOMPLETE_CODE = "shard-incomplete"
 FINDINGS_PER_CODE_AND_FILE = PROBLEMS_KEPT_PER_CODE  # the header parser keeps as many and counts the rest
 MAX_RANKS_LISTED = 4096  # above TP x PP this, missing ranks are summed up in one finding
-# Any one of these is a usable tokenizer for vLLM; `vocab.json` needs `merges.txt` (checked apart).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tekken.json",
-    "spiece.model",
-    "vocab.txt",
-    "tokenizer.tiktoken",
-)
 # Headers this large are parsed one at a time, so parallel reads don't multiply the parser's memory.
 _LARGE_HEADER_BYTES = 8_000_000
 
@@ -285,13 +277,6 @@ class _Shard:
     @property
     def tensor_names(self) -> list[str]:
         return [tensor.name for tensor in self.header.tensors] if self.header else []
-
-
-@dataclass(frozen=True)
-class _Index:
-    name: str
-    weight_map: Mapping[str, str]
-    total_size: int | None
 
 
 @dataclass
@@ -538,7 +523,7 @@ def _sharded_pattern(options: VerifyOptions, names: Sequence[str]) -> str | None
 def _index_name(options: VerifyOptions, listing: _Listing) -> str | None:
     if options.index_name is not None:
         return options.index_name
-    for name in (INDEX_NAME, MISTRAL_INDEX_NAME):
+    for name in INDEX_NAMES:
         if name in listing.top_level:
             return name
     return None
@@ -569,31 +554,23 @@ def _read_small_object(
     return data
 
 
-def _read_index(location: Location, listing: _Listing, name: str, findings: _Findings, reads: _Reads) -> _Index | None:
+def _read_index(location: Location, listing: _Listing, name: str, findings: _Findings, reads: _Reads) -> CheckpointIndex | None:
     if name not in listing.sizes:
         findings.error("index-missing", name, "the index file does not exist")
         return None
     data = _read_small_object(location, listing, name, MAX_INDEX_BYTES, findings, reads, "index-too-large")
     if data is None:
         return None
-    document = decode_json_strictly(data, what="index")
-    if document.error is not None:
-        findings.error("index-invalid", name, document.error.message)
+    try:
+        index = parse_index(name, data)
+    except InvalidIndex as error:
+        findings.error("index-invalid", name, error.reason)
         return None
-    value = document.value
-    weight_map = value.get("weight_map") if isinstance(value, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-        findings.error("index-invalid", name, 'the index must be an object with "weight_map": {tensor: file name}')
-        return None
-    for owner, key in document.duplicate_keys:
-        if owner is weight_map:
-            findings.error("index-duplicate-tensor", name, "tensor appears twice in weight_map", printable(key))
-    metadata = value.get("metadata")
-    total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
-    if total_size is not None and (not isinstance(total_size, int) or isinstance(total_size, bool)):
-        findings.warning("total-size-mismatch", name, f"metadata.total_size is not an integer: {total_size!r}"[:200])
-        total_size = None
-    return _Index(name, weight_map, total_size)
+    for tensor in index.duplicate_tensors:
+        findings.error("index-duplicate-tensor", name, "tensor appears twice in weight_map", tensor)
+    if index.total_size_problem is not None:
+        findings.warning("total-size-mismatch", name, index.total_size_problem)
+    return index
 
 
 def _read_one_header(
@@ -697,20 +674,15 @@ def _check_tensor_in_two_shards(shards: Sequence[_Shard], findings: _Findings) -
 
 
 def _unsafe_shard_name(name: str) -> str | None:
-    if not name:
-        return "is empty"
-    if "\\" in name:
-        return "holds a backslash"
-    if name.startswith("/"):
-        return "is an absolute path"
-    if any(part in ("..", ".") for part in name.split("/")):
-        return "climbs out of the folder with '..'" if ".." in name.split("/") else "holds '.' path segments"
+    reason = unsafe_path_reason(name)
+    if reason is not None:
+        return reason
     if "/" in name:
         return "is in a sub-folder; vLLM loads only top-level .safetensors files"
     return None
 
 
-def _check_index(index: _Index, shards: Sequence[_Shard], listing: _Listing, findings: _Findings) -> None:
+def _check_index(index: CheckpointIndex, shards: Sequence[_Shard], listing: _Listing, findings: _Findings) -> None:
     shards_by_name = {shard.name: shard for shard in shards}
     mapped_counts = Counter(index.weight_map.values())
     usable: set[str] = set()  # shard names whose headers can be compared with the index
@@ -794,7 +766,7 @@ def _check_consolidated_mix(safetensors_names: Sequence[str], findings: _Finding
 
 
 def _check_expectations(
-    expectations: Sequence[Expectation], shards: Sequence[_Shard], index: _Index | None, findings: _Findings
+    expectations: Sequence[Expectation], shards: Sequence[_Shard], index: CheckpointIndex | None, findings: _Findings
 ) -> None:
     if not expectations:
         return
@@ -890,7 +862,7 @@ def _check_sharded(
             findings.warning(
                 "sharded-unused-file", shard.name, f"no rank of {pattern} loads it; remove it to save space"
             )
-    for index_name in (INDEX_NAME, MISTRAL_INDEX_NAME):
+    for index_name in INDEX_NAMES:
         if index_name in listing.top_level:
             findings.warning(
                 "stale-index", index_name, "sharded-state files don't use an index; this one describes other files"
@@ -987,7 +959,7 @@ def _check_serving_files(
             _check_config(config_data, listing, findings)
     elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
-    if not any(name in top for name in TOKENIZER_FILES) and not ("vocab.json" in top and "merges.txt" in top):
+    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not ("vocab.json" in top and "merges.txt" in top):
         findings.warning(
             "tokenizer-missing",
             None,

@@ -1,7 +1,7 @@
 """`serve --tune`: stream part of the checkpoint through runai-model-streamer at several concurrency values.
 
 The streamer reads its settings from the environment once, when it starts, so every value is measured
-in a fresh subprocess (`python -m streamctl.commands.streamer_probe`). Works on a CPU: tensors land in
+in a fresh subprocess (`python -m streamctl.serve.streamer_probe`). Works on a CPU: tensors land in
 host memory, which is what the streamer's read path costs before any GPU copy.
 """
 
@@ -78,7 +78,7 @@ def streamer_path(location: Location, key: str) -> str:
 def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], python: str) -> TuneSample:
     with tempfile.NamedTemporaryFile(prefix="streamctl-streamer-", suffix=".log") as log:
         completed = subprocess.run(
-            [python, "-m", "streamctl.commands.streamer_probe"],
+            [python, "-m", "streamctl.serve.streamer_probe"],
             input=json.dumps({"paths": list(paths)}),
             capture_output=True,
             text=True,

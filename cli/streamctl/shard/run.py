@@ -1,6 +1,6 @@
 """Write vLLM sharded-state files (`model-rank-{rank}-part-{part}.safetensors`) on a CPU, locally or into a bucket.
 
-What gets written is decided by one table, `streamctl.shard_layouts` (names, sources and splits per vLLM
+What gets written is decided by one table, `streamctl.checkpoint.vllm_layouts` (names, sources and splits per vLLM
 version range); this module plans, writes and checks by it.
 
 Plan first, then write. Every output file's tensor list, shapes and dtypes follow from the source headers
@@ -63,7 +63,11 @@ from streamctl.errors import (
     UsageError,
     VerificationFailed,
 )
-from streamctl.fileset import (
+from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, parse_index
+from streamctl.checkpoint.files import (
+    CONFIG_NAME,
+    MAX_CONFIG_BYTES,
+    MISTRAL_PARAMS_NAME,
     SHARD_MANIFEST_NAME,
     listing_notes,
     read_config_references,
@@ -87,7 +91,7 @@ from streamctl.ownership import (
 from streamctl.limits import check_parallel_sizes, shown_number
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.safetensors import (
+from streamctl.checkpoint.safetensors import (
     DTYPE_BITS,
     HEADER_LENGTH_BYTES,
     ParsedHeader,
@@ -96,7 +100,7 @@ from streamctl.safetensors import (
     parse_header,
     read_header,
 )
-from streamctl.shard_layouts import (
+from streamctl.checkpoint.vllm_layouts import (
     EMBED_RULE,
     FINAL_NORM_RULE,
     LM_HEAD_RULE,
@@ -112,7 +116,7 @@ from streamctl.shard_layouts import (
     parse_version,
 )
 from streamctl.lease import Lease, hold_lease
-from streamctl.sharded import (
+from streamctl.checkpoint.sharded_names import (
     default_pattern,
     format_name,
     pattern_fields,
@@ -122,7 +126,7 @@ from streamctl.storage.base import ListingNote, Location, MiB, MultipartUpload, 
 from streamctl.words import plural
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
-from streamctl.verify import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.verify.run import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport, verify_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,11 +143,8 @@ READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 MAX_BUFFER = 128 * MiB  # bytes read (and copied) but not yet written, at most
 RECONSTRUCTION_THREADS = 2  # tensors checked side by side (each holds ~2 blocks)
 SCALE_ONE_BYTES = b"\x00\x00\x80\x3f"  # float32 1.0, little-endian: vLLM's attention scale buffers
-CONFIG_NAME = "config.json"
-HF_INDEX_NAME = "model.safetensors.index.json"
 # Hugging Face checkpoints of old models carry rotary caches that vLLM's loaders skip.
 IGNORED_SOURCE_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-MAX_CONFIG_BYTES = 10_000_000
 
 _T = TypeVar("_T")
 DtypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
@@ -582,8 +583,8 @@ def stage_files(plan: ShardPlan, stage: StagePlan) -> list[PlannedFile]:
 # =============================================================================================== planning
 
 
-def _read_small(location: Location, name: str, size: int) -> bytes:
-    if size > MAX_CONFIG_BYTES:
+def _read_small(location: Location, name: str, size: int, limit: int = MAX_CONFIG_BYTES) -> bytes:
+    if size > limit:
         raise UsageError(f"{location.store.url(location.key(name))} is {size:,} bytes; refusing to read it as JSON")
     return location.store.read_range(location.key(name), 0, size)
 
@@ -725,20 +726,16 @@ def _list_source(source: Location) -> _SourceListing:
 
 def _weight_files(source: Location, listing: _SourceListing) -> list[str]:
     top = {name: size for name, size in listing.sizes.items() if "/" not in name}
-    if HF_INDEX_NAME in top:
-        index = _read_json_object(source, HF_INDEX_NAME, top[HF_INDEX_NAME])
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
-            raise UsageError(f"{HF_INDEX_NAME} has no weight_map of tensor -> file")
-        files = sorted(set(weight_map.values()))
+    if INDEX_NAME in top:
+        files = parse_index(INDEX_NAME, _read_small(source, INDEX_NAME, top[INDEX_NAME], MAX_INDEX_BYTES)).files
         missing = [file for file in files if file not in top]
         if missing:
-            raise NotFoundError(f"{HF_INDEX_NAME} names {missing[0]}, which is not in {source.url}")
+            raise NotFoundError(f"{INDEX_NAME} names {missing[0]}, which is not in {source.url}")
         return files
     files = sorted(name for name in top if name.endswith(".safetensors") and not name.startswith("consolidated"))
     if files:
         return files
-    if any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top) or "params.json" in top:
+    if any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top) or MISTRAL_PARAMS_NAME in top:
         raise UsageError(
             f"{source.url} holds Mistral-format consolidated weights, not Hugging Face safetensors", hint=_engine_hint()
         )
@@ -884,7 +881,7 @@ def _check_dest(
     existing, manifests = state.existing, state.manifests
     candidates = [*existing, *unfollowed_links(listing_notes(dest))]
     written_before = written_by_streamctl(manifests, candidates)
-    from streamctl.sharded import parse_sharded_name
+    from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     def own_output(name: str) -> bool:
         return parse_sharded_name(pattern, name) is not None
@@ -1662,7 +1659,7 @@ def _read_written_headers(
 ) -> dict[tuple[int, int], dict[str, _WrittenTensor]]:
     """(pp_rank, tp_rank) -> tensor name -> where DEST's files hold it, from the headers of every file
     that fits the pattern (what vLLM would load), not from the plan."""
-    from streamctl.sharded import parse_sharded_name
+    from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     by_rank: dict[tuple[int, int], dict[str, _WrittenTensor]] = {}
     for info in dest.list():
@@ -2098,7 +2095,7 @@ def _record(dest: Location, result: ShardResult, lease: Lease) -> ShardResult:
 
 def _ours(pattern: str, serving_files: Sequence[tuple[str, int]], name: str) -> bool:
     """Whether `name` (relative to DEST) is a file `shard` writes there: rank files, serving files, manifest."""
-    from streamctl.sharded import parse_sharded_name
+    from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     return (
         name == SHARD_MANIFEST_NAME
@@ -2260,7 +2257,7 @@ def _copy_saved_files(
     vLLM 0.33 writes an empty part file when a rank's first tensor exceeds max_size, and the Run:ai
     streamer fails on such a file: empty parts are left out and the rank's parts renumbered from 0.
     """
-    from streamctl.sharded import parse_sharded_name
+    from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     ranks: dict[tuple[int, int], list[tuple[int, ObjectInfo, ParsedHeader]]] = {}
     for info in saved.list():

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from streamctl.errors import UsageError
 from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
-from streamctl.sharded import default_pattern
+from streamctl.checkpoint.sharded_names import default_pattern
 from streamctl.sizes import parse_size
 from streamctl.storage.url import ParsedURL, parse_url
-from streamctl.vllm_args import masked_arguments, takes
+from streamctl.serve.vllm_args import masked_arguments, takes
 
 LOAD_FORMAT = "runai_streamer"
 LOAD_FORMAT_SHARDED = "runai_streamer_sharded"

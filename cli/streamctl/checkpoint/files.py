@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from streamctl.storage.base import Location
 
 from streamctl.progress import Progress
-from streamctl.storage.base import ListingNote, Location
+from streamctl.storage.base import ListingNote, Location, is_safe_relative_path
 
 MANIFEST_NAME = "streamctl-manifest.json"  # written by `transfer`
 SHARD_MANIFEST_NAME = "streamctl-shard-manifest.json"  # written by `shard`; `"complete": false` until it ends
@@ -41,7 +41,19 @@ TOKENIZER_FILES = frozenset(
         "chat_template.json",
     }
 )
-CONFIG_FILES = frozenset({"config.json", "generation_config.json"})
+# Any one of these is a usable tokenizer for vLLM on its own; `vocab.json` needs `merges.txt` beside it.
+STANDALONE_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tekken.json",
+    "spiece.model",
+    "vocab.txt",
+    "tokenizer.tiktoken",
+)
+CONFIG_NAME = "config.json"
+MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
+MAX_CONFIG_BYTES = 10_000_000
+CONFIG_FILES = frozenset({CONFIG_NAME, "generation_config.json"})
 OTHER_WEIGHT_FORMATS = {
     ".bin": "PyTorch pickle weights (vLLM loads the safetensors)",
     ".pt": "PyTorch pickle weights (vLLM loads the safetensors)",
@@ -56,7 +68,7 @@ OTHER_WEIGHT_FORMATS = {
 # Configs whose contents name other files the model needs: sentence-transformers modules, custom code
 # (`auto_map`, also for tokenizers and processors), tokenizer side files. Read before choosing files.
 REFERENCING_CONFIGS = (
-    "config.json",
+    CONFIG_NAME,
     "modules.json",
     "tokenizer_config.json",
     "preprocessor_config.json",
@@ -67,7 +79,6 @@ REFERENCING_CONFIGS = (
     "sentence_bert_config.json",
     "config_sentence_transformers.json",
 )
-MAX_REFERENCING_CONFIG_BYTES = 10_000_000
 # transformers loads every template in this folder next to chat_template.jinja, unasked.
 CHAT_TEMPLATES_FOLDER = "additional_chat_templates/"
 _MAX_REFERENCE_DEPTH = 8  # how deep into a config's JSON file names are looked for
@@ -78,13 +89,6 @@ class Selection:
     path: str
     selected: bool
     reason: str
-
-
-def is_safe_relative_path(path: str) -> bool:
-    """A plain relative path: no absolute paths, backslashes, '..', '.' or empty segments."""
-    if not path or path.startswith("/") or "\\" in path or "\x00" in path:
-        return False
-    return all(part not in ("", ".", "..") for part in path.split("/"))
 
 
 def is_tokenizer_file(name: str) -> bool:
@@ -173,7 +177,7 @@ def read_config_references(
     documents: dict[str, Any] = dict(known or {})
     for name in REFERENCING_CONFIGS:
         size = sizes.get(name)
-        if name in documents or size is None or size > MAX_REFERENCING_CONFIG_BYTES:
+        if name in documents or size is None or size > MAX_CONFIG_BYTES:
             continue
         try:
             documents[name] = json.loads(location.store.read_range(location.key(name), 0, size))

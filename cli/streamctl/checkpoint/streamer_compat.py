@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamctl.safetensors import DTYPE_BITS, TensorInfo, tensor_nbits
+from streamctl.checkpoint.safetensors import DTYPE_BITS, TensorInfo, tensor_nbits
 
 # Bytes per element as the streamer counts them; a dtype absent here is one it refuses.
 STREAMER_ELEMENT_BYTES: dict[str, int] = {
