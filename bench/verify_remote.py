@@ -211,7 +211,8 @@ def list_shards(client: Any) -> list[tuple[str, int]]:
 
 def run_streamctl(endpoint: str, concurrency: int) -> tuple[float, int, int, int, bool, list[str]]:
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify.run import VerifyOptions, verify_checkpoint
+    from streamctl.verify.report import VerifyOptions
+    from streamctl.verify.run import verify_checkpoint
 
     started = time.monotonic()
     location = open_location(f"s3://{BUCKET}", StorageOptions(endpoint_url=endpoint, path_style=True))

@@ -19,7 +19,8 @@ from servers import StorageServers
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.storage import open_location
 from streamctl.checkpoint.streamer_compat import STREAMER_CODES, STREAMER_UNREADABLE_DTYPES
-from streamctl.verify.run import VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.verify.report import VerifyOptions, VerifyReport
+from streamctl.verify.run import verify_checkpoint
 
 SHAPES = ((8,), (2, 4), (0,))
 

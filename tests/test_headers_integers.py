@@ -17,7 +17,7 @@ from checkpoints import write_serving_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from streamctl.checkpoint.safetensors import parse_safetensors_bytes
-from test_verify_fuzz import mutated_files
+from safetensors_strategies import mutated_files
 from streamctl.storage import open_location
 from streamctl.verify.run import verify_checkpoint
 

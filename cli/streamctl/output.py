@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from streamctl.transfer import TransferPlan, TransferResult
     from streamctl.serve.tune import TuneResult
-    from streamctl.verify.run import VerifyReport
+    from streamctl.verify.report import VerifyReport
 
 
 @dataclass

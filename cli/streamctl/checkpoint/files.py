@@ -95,24 +95,26 @@ def is_tokenizer_file(name: str) -> bool:
     return name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja"))
 
 
-def _module_path(reference: str) -> str | None:
-    """`configuration_x.XConfig` or `models.x.Y` -> the `.py` file; None for code in another repo (`org/repo--m.C`)."""
+def _module_path(reference: str, safe_only: bool) -> str | None:
+    """`configuration_x.XConfig` or `models.x.Y` -> the `.py` file; None for code in another repo (`org/repo--m.C`)
+    and, with `safe_only`, for a path that would leave the folder."""
     if "--" in reference or "." not in reference:
         return None
     module = reference.rsplit(".", 1)[0]
     path = module.replace(".", "/") + ".py"
-    return path if is_safe_relative_path(path) else None
+    return path if not safe_only or is_safe_relative_path(path) else None
 
 
-def auto_map_files(document: Any) -> list[tuple[str, str]]:
-    """(file, reference) for every `module.Class` an `auto_map` names (values: a string or a list)."""
+def auto_map_files(document: Any, *, safe_only: bool = True) -> list[tuple[str, str]]:
+    """(file, reference) for every `module.Class` an `auto_map` names (values: a string or a list). With
+    `safe_only` False, also the files whose paths are unsafe (verify reports them missing)."""
     auto_map = document.get("auto_map") if isinstance(document, dict) else None
     if not isinstance(auto_map, dict):
         return []
     found: list[tuple[str, str]] = []
     for value in auto_map.values():
         for item in value if isinstance(value, list) else [value]:
-            path = _module_path(item) if isinstance(item, str) else None
+            path = _module_path(item, safe_only) if isinstance(item, str) else None
             if path is not None:
                 found.append((path, item))
     return found

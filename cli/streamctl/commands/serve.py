@@ -117,7 +117,8 @@ def command(
         startup_budget_seconds,
     )
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify.run import Expectation, VerifyOptions, verify_checkpoint
+    from streamctl.verify.report import Expectation, VerifyOptions
+    from streamctl.verify.run import verify_checkpoint
     from streamctl.words import plural
 
     engram_options = EngramOptions(
@@ -265,7 +266,8 @@ def _layout_without_preflight(location: Location, sharded: Optional[bool], patte
     """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
     --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
     from streamctl.errors import StreamctlError
-    from streamctl.verify.run import VerifyOptions, detect_layout
+    from streamctl.verify.report import VerifyOptions
+    from streamctl.verify.run import detect_layout
 
     if sharded is not None:
         return sharded

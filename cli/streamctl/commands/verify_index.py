@@ -76,7 +76,8 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify.run import VerifyOptions, parse_expectation, verify_checkpoint
+    from streamctl.verify.report import VerifyOptions, parse_expectation
+    from streamctl.verify.run import verify_checkpoint
 
     check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())

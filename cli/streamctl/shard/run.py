@@ -126,7 +126,8 @@ from streamctl.storage.base import ListingNote, Location, MiB, MultipartUpload, 
 from streamctl.words import plural
 from streamctl.storage.local import LocalMultipartUpload
 from streamctl.transfer import SHA256_KEY, ByteBudget, discard_unfinished_uploads, part_size_for, put_json
-from streamctl.verify.run import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport, verify_checkpoint
+from streamctl.verify.report import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport
+from streamctl.verify.run import verify_checkpoint
 
 if TYPE_CHECKING:
     import numpy as np

@@ -315,3 +315,28 @@ class Location:
         empty for stores that have no such things (every store but local folders)."""
         notes = getattr(self.store, "notes", None)
         return tuple(notes(f"{self.prefix}/" if self.prefix else "")) if notes is not None else ()
+
+
+class SmallObjectError(Exception):
+    """`read_small_object` has no usable bytes: the object is over the limit (`read` is None, nothing was
+    read) or came back shorter than listed. Each caller maps it to its own policy (a finding, an error, None)."""
+
+    def __init__(self, name: str, listed: int, limit: int, read: int | None) -> None:
+        self.name, self.listed, self.limit, self.read = name, listed, limit, read
+        super().__init__(f"{name}: listed as {listed:,} bytes, limit {limit:,}, read {read}")
+
+    @property
+    def too_large(self) -> bool:
+        return self.read is None
+
+
+def read_small_object(location: Location, name: str, size: int, limit: int) -> bytes:
+    """The whole object `name` (listed as `size` bytes) of `location` in one request, for small JSON such as
+    an index or a config. Raises SmallObjectError (see there); NotFoundError (gone since the listing) and
+    other store errors propagate."""
+    if size > limit:
+        raise SmallObjectError(name, size, limit, None)
+    data = location.store.read_range(location.key(name), 0, size)
+    if len(data) != size:
+        raise SmallObjectError(name, size, limit, len(data))
+    return data

@@ -1,0 +1,72 @@
+"""Checks of what vLLM pulls next to the weights: `config.json` and the custom code its `auto_map` names,
+a tokenizer, and sub-folders it would pull for nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from streamctl.checkpoint.files import CONFIG_NAME, MISTRAL_PARAMS_NAME, STANDALONE_TOKENIZER_FILES, auto_map_files
+from streamctl.checkpoint.safetensors import decode_json_strictly, printable
+from streamctl.verify.reading import Listing
+from streamctl.verify.report import Findings
+
+
+def check_serving_files(
+    listing: Listing,
+    safetensors_names: Sequence[str],
+    config_data: bytes | None,
+    referenced: Mapping[str, str],
+    findings: Findings,
+) -> None:
+    """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders."""
+    top = listing.top_level
+    if CONFIG_NAME in top:
+        if config_data is not None:
+            check_config(config_data, listing, findings)
+    elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
+        findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
+    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not ("vocab.json" in top and "merges.txt" in top):
+        findings.warning(
+            "tokenizer-missing",
+            None,
+            "no tokenizer files (tokenizer.json, tokenizer.model, vocab.json + merges.txt, ...); "
+            "serve with --tokenizer pointing elsewhere, or upload them",
+        )
+    _check_subfolders(listing, referenced, findings)
+
+
+def _check_subfolders(listing: Listing, referenced: Mapping[str, str], findings: Findings) -> None:
+    """Sub-folders vLLM pulls at start-up, counting only the objects no config of the model references."""
+    unreferenced: dict[str, tuple[int, int]] = {}
+    for name, size in listing.sizes.items():
+        folder, separator, _ = name.partition("/")
+        if separator and name not in referenced:
+            objects, total = unreferenced.get(folder, (0, 0))
+            unreferenced[folder] = (objects + 1, total + size)
+    for folder, (objects, total) in sorted(unreferenced.items()):
+        findings.warning(
+            "subfolder-pulled",
+            f"{folder}/",
+            f"{objects} object{'' if objects == 1 else 's'} ({total:,} bytes) that vLLM pulls into its cache "
+            "at start-up; move them elsewhere",
+        )
+
+
+def check_config(data: bytes, listing: Listing, findings: Findings) -> None:
+    """`config.json` is a JSON object, and the code files its `auto_map` names are present."""
+    document = decode_json_strictly(data, what=CONFIG_NAME)
+    if document.error is not None or not isinstance(document.value, dict):
+        message = document.error.message if document.error else f"{CONFIG_NAME} is not a JSON object"
+        findings.error("config-invalid", CONFIG_NAME, message)
+        return
+    needed: dict[str, str] = {}  # file -> the first reference naming it
+    for file, reference in auto_map_files(document.value, safe_only=False):
+        needed.setdefault(file, reference)
+    for file, reference in sorted(needed.items()):
+        if file not in listing.sizes:
+            findings.warning(
+                "remote-code-missing",
+                printable(file),
+                f"auto_map in {CONFIG_NAME} names {printable(reference)!r}; --trust-remote-code needs this file",
+            )
+
