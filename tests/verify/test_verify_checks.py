@@ -109,10 +109,12 @@ def test_a_location_without_safetensors_is_not_found_with_a_hint(location: Locat
 
 @dataclass
 class FlakyStore:
-    """Wraps a store; read_range of the keys in `fail` raises the mapped error."""
+    """Wraps a store; read_range of the keys in `fail` raises the mapped error, of those in `shortened` comes
+    back one byte short (an object rewritten between the listing and the read)."""
 
     inner: Any
     fail: dict[str, Exception] = field(default_factory=dict)
+    shortened: set[str] = field(default_factory=set)  # read_range of these keys returns one byte too few
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -123,7 +125,8 @@ class FlakyStore:
     def read_range(self, key: str, start: int, length: int) -> bytes:
         if key in self.fail:
             raise self.fail[key]
-        return self.inner.read_range(key, start, length)
+        data: bytes = self.inner.read_range(key, start, length)
+        return data[:-1] if key in self.shortened else data
 
 
 def test_an_object_gone_between_listing_and_reading_is_a_finding(location: Location) -> None:
@@ -134,6 +137,15 @@ def test_an_object_gone_between_listing_and_reading_is_a_finding(location: Locat
     report = verify_checkpoint(Location(flaky, location.prefix))  # type: ignore[arg-type]
     assert findings_of(report, "object-vanished") == [(SHARD_2, None), (INDEX_NAME, None)]
     assert error_codes(report) == ["object-vanished"]
+
+
+def test_a_small_object_shorter_than_listed_is_a_finding(location: Location) -> None:
+    write_hf_checkpoint(location)
+    flaky = FlakyStore(location.store, shortened={location.key(INDEX_NAME), location.key("config.json")})
+    report = verify_checkpoint(Location(flaky, location.prefix))  # type: ignore[arg-type]
+    assert findings_of(report, "object-changed") == [("config.json", None), (INDEX_NAME, None)]
+    assert error_codes(report) == ["object-changed"]
+    assert report.stats.requests == 2 + 1 + 1  # the short reads count as requests, as whole ones do
 
 
 @pytest.mark.parametrize("error", [AccessDeniedError("denied"), RemoteError("down")])

@@ -25,7 +25,8 @@ def check_serving_files(
             check_config(config_data, listing, findings)
     elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
-    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not ("vocab.json" in top and "merges.txt" in top):
+    has_bpe_pair = "vocab.json" in top and "merges.txt" in top
+    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not has_bpe_pair:
         findings.warning(
             "tokenizer-missing",
             None,

@@ -14,7 +14,10 @@ from streamctl.verify.reading import Listing, Reads, ShardHeader, read_small
 from streamctl.verify.report import Expectation, Findings
 
 
-def read_index(location: Location, listing: Listing, name: str, findings: Findings, reads: Reads) -> CheckpointIndex | None:
+def read_index(
+    location: Location, listing: Listing, name: str, findings: Findings, reads: Reads
+) -> CheckpointIndex | None:
+    """The index `name`, parsed; None (with a finding) when it is missing, too large or not an index."""
     if name not in listing.sizes:
         findings.error("index-missing", name, "the index file does not exist")
         return None
@@ -116,7 +119,10 @@ def _check_index_placements(
 
 
 def _check_header_tensors(
-    index: CheckpointIndex, mapped_counts: Mapping[str, int], shards_by_name: Mapping[str, ShardHeader], findings: Findings
+    index: CheckpointIndex,
+    mapped_counts: Mapping[str, int],
+    shards_by_name: Mapping[str, ShardHeader],
+    findings: Findings,
 ) -> None:
     """Every tensor in the header of an indexed shard is in the index."""
     for name in sorted(mapped_counts):
@@ -139,6 +145,7 @@ def _indexed_total(mapped_counts: Mapping[str, int], shards_by_name: Mapping[str
 
 
 def tensor_locations(shards: Iterable[ShardHeader]) -> dict[str, list[str]]:
+    """Tensor name -> the files whose headers hold it."""
     locations: dict[str, list[str]] = defaultdict(list)
     for shard in shards:
         for name in shard.tensor_names:
@@ -147,6 +154,7 @@ def tensor_locations(shards: Iterable[ShardHeader]) -> dict[str, list[str]]:
 
 
 def check_tensor_in_two_shards(shards: Sequence[ShardHeader], findings: Findings) -> None:
+    """No tensor name in two files: which copy vLLM loads would be undefined."""
     if len(shards) < 2:
         return  # twice in one header is the parser's duplicate-tensor
     first_file: dict[str, str] = {}  # no list per name: a header may hold a million tensors
@@ -172,6 +180,7 @@ def _unsafe_shard_name(name: str) -> str | None:
 
 
 def check_consolidated_mix(safetensors_names: Sequence[str], findings: Findings) -> None:
+    """Mistral `consolidated*` files next to HF shards switch vLLM to the Mistral format."""
     consolidated = [name for name in safetensors_names if name.startswith("consolidated")]
     others = [name for name in safetensors_names if not name.startswith("consolidated")]
     if consolidated and others:
@@ -185,8 +194,12 @@ def check_consolidated_mix(safetensors_names: Sequence[str], findings: Findings)
 
 
 def check_expectations(
-    expectations: Sequence[Expectation], shards: Sequence[ShardHeader], index: CheckpointIndex | None, findings: Findings
+    expectations: Sequence[Expectation],
+    shards: Sequence[ShardHeader],
+    index: CheckpointIndex | None,
+    findings: Findings,
 ) -> None:
+    """`--expect GLOB=FILE[,FILE...]`: where the headers put each matching tensor, and where the index does."""
     if not expectations:
         return
     # Both where the headers put a tensor and where the index says it is must satisfy the expectation.

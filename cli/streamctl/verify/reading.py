@@ -21,6 +21,8 @@ _LARGE_HEADER_BYTES = 8_000_000
 
 @dataclass(frozen=True)
 class Listing:
+    """One listing of the location, kept three ways."""
+
     sizes: Mapping[str, int]  # every object, by name relative to the location
     top_level: Mapping[str, int]  # objects directly in the location
     subfolders: Mapping[str, tuple[int, int]]  # first path segment -> (objects, bytes)
@@ -49,6 +51,8 @@ class ShardHeader:
 
 @dataclass
 class Reads:
+    """Ranged reads and bytes read, summed across the threads that read (the listing is not counted)."""
+
     requests: int = 0
     bytes_read: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -60,6 +64,7 @@ class Reads:
 
 
 def list_location(location: Location) -> Listing:
+    """Every object under `location`; NotFoundError when there are none."""
     sizes: dict[str, int] = {}
     top_level: dict[str, int] = {}
     subfolders: dict[str, tuple[int, int]] = {}
@@ -83,6 +88,7 @@ def list_location(location: Location) -> Listing:
 
 
 def no_safetensors(location: Location, listing: Listing) -> NotFoundError:
+    """The error for a location without top-level `.safetensors`, with a hint at sub-folders that hold some."""
     nested = sorted({name.partition("/")[0] for name in listing.sizes if "/" in name and name.endswith(".safetensors")})
     if nested:
         folders = ", ".join(f"{folder}/" for folder in nested)

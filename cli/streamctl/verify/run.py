@@ -140,7 +140,9 @@ def _read_checkpoint(
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="verify-side") as side:
         index_future = side.submit(read_index, location, listing, index_name, findings, reads) if index_name else None
         manifest_future = (
-            side.submit(check_shard_manifest, location, listing, findings, reads) if SHARD_MANIFEST_NAME in top else None
+            side.submit(check_shard_manifest, location, listing, findings, reads)
+            if SHARD_MANIFEST_NAME in top
+            else None
         )
         config_future = (
             side.submit(read_small, location, listing, CONFIG_NAME, MAX_CONFIG_BYTES, findings, reads, "config-invalid")

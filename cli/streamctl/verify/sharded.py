@@ -55,6 +55,7 @@ def sharded_sizes(pattern: str, names: Sequence[str]) -> tuple[int | None, int |
 def check_sharded(
     pattern: str, options: VerifyOptions, shards: Sequence[ShardHeader], listing: Listing, findings: Findings
 ) -> None:
+    """The sharded-state rules at the given TP/PP sizes, or those the file names show."""
     parsed: dict[str, ShardedName] = {}
     for shard in shards:
         name = parse_sharded_name(pattern, shard.name)
@@ -205,7 +206,9 @@ def _check_rank_tensors(
 
 def check_shard_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
     """A `streamctl shard` run that never completed (see streamctl.ownership.shard_run_incomplete)."""
-    data = read_small(location, listing, SHARD_MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE)
+    data = read_small(
+        location, listing, SHARD_MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
+    )
     if data is None:
         return
     try:
