@@ -20,7 +20,6 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,8 +153,7 @@ def copy_all(plan: list[dict[str, Any]], target: Any, prefix: str, threads: int,
                 futures.append(pool.submit(whole, file))
             else:
                 target.begin(file)
-                submit: Callable[[int], Future[None]] = lambda index, file=file: pool.submit(part, file, index)
-                futures += [submit(index) for index in range(parts)]
+                futures += [pool.submit(part, file, index) for index in range(parts)]
             copied += size
         for future in futures:
             future.result()

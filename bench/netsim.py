@@ -342,8 +342,24 @@ class KernelLink:
             self._run(["tc", *netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "fq",
                        "maxrate", f"{int(self.bytes_per_second * 8)}bit"])  # fmt: skip
 
+    @staticmethod
+    def remove_stale() -> None:
+        """Remove what a killed earlier run left (its namespace is named after its pid, now gone)."""
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)  # noqa: PLW1510
+        for line in listing.stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            tag = name.removeprefix("streamctl-bench-")
+            if tag != name and tag.isdigit() and not Path(f"/proc/{tag}").exists():
+                for argv in (["ip", "link", "del", f"sbl{tag}"], ["ip", "link", "del", f"sbd{tag}"],
+                             ["ip", "netns", "del", name]):  # fmt: skip
+                    subprocess.run(argv, capture_output=True, timeout=20)  # noqa: PLW1510 - best effort
+
     def start(self) -> KernelLink:
         ns = ["-n", self.netns]
+        try:
+            self.remove_stale()
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # no `ip` here: the first step below says so
         steps = [
             ["ip", "netns", "add", self.netns],
             ["ip", "link", "add", self.shaped_dev, "type", "veth", "peer", "name", "link0", "netns", self.netns],
