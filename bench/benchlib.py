@@ -1,7 +1,8 @@
 """Shared helpers for the benchmark scripts in bench/ (not a test module, not part of the package).
 
 - Servers: the test servers from tests/servers.py (moto S3, GCS emulator), reused as they are by putting
-  tests/ on sys.path, plus `start_sparse_s3` (moto with the bench/sparse_moto.py patches).
+  tests/ on sys.path, plus `start_sparse_s3` (moto with the bench/sparse_moto.py patches); `start_server`
+  starts one on 127.0.0.1 or inside a netsim.KernelLink's network namespace.
 - Environment: `isolated_env()`, the variables tests/conftest.py sets for its servers and fake hub, so
   SDKs never read a developer's real cloud or Hugging Face settings and never leave 127.0.0.1.
 - Measuring a child process: `run_measured()` runs a command, polls a scratch folder's disk usage, and
@@ -22,10 +23,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -114,18 +116,69 @@ def start_sparse_s3(workdir: Path) -> servers.S3Server:
     return servers.S3Server(server)
 
 
-def start_threaded_gcs(workdir: Path) -> servers.GCSServer:
+@dataclass
+class NetnsServerProcess(servers.ServerProcess):
+    """A server inside a KernelLink's network namespace, reached at `host` (the link's unshaped address)."""
+
+    host: str = "127.0.0.1"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def start_server(name: str, argv_for: Callable[[str, int], list[str]], ready_path: str, workdir: Path,
+                 env: dict[str, str] | None = None, link: Any = None) -> servers.ServerProcess:  # fmt: skip
+    """tests/servers.py's start_process on 127.0.0.1, or, given a netsim.KernelLink, inside its namespace.
+
+    `argv_for(host, port)` is the server's command line. In the namespace the server listens on 0.0.0.0 at the
+    link's fixed port (a fresh namespace has nothing else listening) and is polled through the direct veth.
+    """
+    if link is None:
+        return servers.start_process(name, lambda port: argv_for("127.0.0.1", port), ready_path, workdir, env)
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"{name}-netns.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            link.wrap(argv_for("0.0.0.0", link.server_port)), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, cwd=workdir, env={**os.environ, **(env or {})}, start_new_session=True,
+        )  # fmt: skip
+    server = NetnsServerProcess(name, link.server_port, process, log_path, host=link.direct_address)
+    deadline = time.monotonic() + servers.STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline and process.poll() is None:
+        if servers._answers_http(server.base_url + ready_path):
+            return server
+        time.sleep(0.1)
+    server.stop()
+    raise servers.ServerUnavailable(f"{name} did not start in {link.netns}; log tail:\n{server.log_tail()}")
+
+
+def start_threaded_gcs(workdir: Path, link: Any = None) -> servers.GCSServer:
     """gcp-storage-emulator with bench/threaded_gcs.py's patch (parallel connections; storage still serialized)."""
-    server = servers.start_process(
+    server = start_server(
         "gcs-emulator-threaded",
-        lambda port: [
+        lambda host, port: [
             sys.executable, str(BENCH_DIR / "threaded_gcs.py"), "start",
-            "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+            "--host", host, "--port", str(port), "--in-memory",
         ],  # fmt: skip
         "/",
         workdir,
+        link=link,
     )
     return servers.GCSServer(server)
+
+
+def start_s3(workdir: Path, link: Any = None) -> servers.S3Server:
+    """moto's S3 server as tests/servers.py starts it (its patches included), on 127.0.0.1 or behind `link`."""
+    server = start_server(
+        "moto-s3",
+        lambda host, port: [sys.executable, str(servers.PATCHED_SERVERS), "moto", "-H", host, "-p", str(port)],
+        "/moto-api/",
+        workdir,
+        env={"INITIAL_NO_AUTH_ACTION_COUNT": "inf"},
+        link=link,
+    )
+    return servers.S3Server(server)
 
 
 def count_log_requests(server: servers.ServerProcess) -> int:

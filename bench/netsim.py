@@ -12,7 +12,14 @@ Two ways to run it:
   the same proxy in a process of its own; it prints its port, runs until its stdin closes, then prints its
   counters as one JSON line. Use this when the link must not compete with the benchmark for the GIL.
 
-Only 127.0.0.1 is ever bound or dialled.
+Only 127.0.0.1 is ever bound or dialled by the proxy.
+
+`KernelLink` is the same link made by the kernel instead, where network namespaces and the qdiscs are
+allowed (root, CONFIG_NET_SCH_NETEM and CONFIG_NET_SCH_FQ): the server runs in a network namespace of its own,
+reached over two veth pairs with addresses from 198.18.0.0/15 (RFC 2544's benchmarking range, host-local
+here): one shaped (`netem delay` each way, and under it `fq maxrate`, which paces each flow, not the sum), one
+not (what "no link" means for calibrations). It costs no user-space CPU. `KernelLink.start()` raises
+`KernelLinkUnavailable` naming the command that failed and why; callers fall back to the proxy.
 
 Behaviour worth knowing when reading results:
 - Connection setup is free (the proxy accepts locally at once); a real link would add a round trip (plus TLS).
@@ -33,6 +40,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 CHUNK_BYTES = 256 * 1024
 HOST = "127.0.0.1"
@@ -266,6 +274,150 @@ class LinkProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class KernelLinkUnavailable(RuntimeError):
+    """The kernel link could not be set up here; the message names the command that failed and why."""
+
+
+KERNEL_SERVER_PORT = 9000  # the namespace is fresh: nothing else listens in it
+_CONFIG_NAMES = ("CONFIG_NET_SCH_NETEM", "CONFIG_NET_SCH_FQ")
+
+
+def _kernel_config(names: tuple[str, ...]) -> str:
+    """How the running kernel was built for `names` (from /proc/config.gz), or '' when that is not readable."""
+    import gzip
+
+    try:
+        text = gzip.decompress(Path("/proc/config.gz").read_bytes()).decode(errors="replace")
+    except OSError:
+        return ""
+    found = []
+    for name in names:
+        match = [line for line in text.splitlines() if line.startswith(name + "=") or line == f"# {name} is not set"]
+        found.append(match[0] if match else f"{name} absent")
+    return "; kernel config: " + ", ".join(found)
+
+
+@dataclass
+class KernelLink:
+    """The link made by the kernel: a network namespace for the server, a shaped and a direct veth pair.
+
+    `wrap(argv)` runs a command inside the namespace; the server there listens on 0.0.0.0:`server_port`;
+    `url` is the shaped way to it, `direct_url` the unshaped one. `stop()` removes all of it.
+    """
+
+    one_way_delay_s: float = 0.010
+    bytes_per_second: float | None = None
+    server_port: int = KERNEL_SERVER_PORT
+    stats: LinkStats = field(default_factory=LinkStats)
+    pid: int | None = None  # no process: the kernel does the work (its CPU is softirq time, charged to others)
+    _created: list[list[str]] = field(default_factory=list)
+    _tx_start: int = 0
+
+    def __post_init__(self) -> None:
+        tag = os.getpid()
+        self.netns = f"streamctl-bench-{tag}"
+        self.shaped_dev, self.direct_dev = f"sbl{tag}", f"sbd{tag}"
+        block = 8 * (tag % 32)
+        self._net = f"198.18.{(tag // 32) % 256}"
+        self.host_address, self.server_address = f"{self._net}.{block + 1}", f"{self._net}.{block + 2}"
+        self.direct_host_address, self.direct_address = f"{self._net}.{block + 5}", f"{self._net}.{block + 6}"
+
+    @staticmethod
+    def _run(argv: list[str]) -> None:
+        try:
+            completed = subprocess.run(argv, capture_output=True, text=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise KernelLinkUnavailable(f"`{' '.join(argv)}` failed: {error}") from error
+        if completed.returncode != 0:
+            why = (completed.stderr or completed.stdout).strip() or f"exit {completed.returncode}"
+            raise KernelLinkUnavailable(f"`{' '.join(argv)}` failed: {why}")
+
+    def _shape(self, netns: list[str], dev: str) -> None:
+        delay_us = max(1, round(self.one_way_delay_s * 1e6))
+        self._run(["tc", *netns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                   "delay", f"{delay_us}us", "limit", "100000"])  # fmt: skip
+        if self.bytes_per_second:
+            self._run(["tc", *netns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "fq",
+                       "maxrate", f"{int(self.bytes_per_second * 8)}bit"])  # fmt: skip
+
+    @staticmethod
+    def remove_stale() -> None:
+        """Remove what a killed earlier run left (its namespace is named after its pid, now gone)."""
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)  # noqa: PLW1510
+        for line in listing.stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            tag = name.removeprefix("streamctl-bench-")
+            if tag != name and tag.isdigit() and not Path(f"/proc/{tag}").exists():
+                for argv in (["ip", "link", "del", f"sbl{tag}"], ["ip", "link", "del", f"sbd{tag}"],
+                             ["ip", "netns", "del", name]):  # fmt: skip
+                    subprocess.run(argv, capture_output=True, timeout=20)  # noqa: PLW1510 - best effort
+
+    def start(self) -> KernelLink:
+        ns = ["-n", self.netns]
+        try:
+            self.remove_stale()
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # no `ip` here: the first step below says so
+        steps = [
+            ["ip", "netns", "add", self.netns],
+            ["ip", "link", "add", self.shaped_dev, "type", "veth", "peer", "name", "link0", "netns", self.netns],
+            ["ip", "link", "add", self.direct_dev, "type", "veth", "peer", "name", "direct0", "netns", self.netns],
+            ["ip", "addr", "add", f"{self.host_address}/30", "dev", self.shaped_dev],
+            ["ip", "addr", "add", f"{self.direct_host_address}/30", "dev", self.direct_dev],
+            ["ip", *ns, "addr", "add", f"{self.server_address}/30", "dev", "link0"],
+            ["ip", *ns, "addr", "add", f"{self.direct_address}/30", "dev", "direct0"],
+            *(["ip", *where, "link", "set", dev, "up"]
+              for where, dev in (([], self.shaped_dev), ([], self.direct_dev), (ns, "link0"), (ns, "direct0"),
+                                 (ns, "lo"))),
+        ]  # fmt: skip
+        try:
+            for step in steps:
+                self._run(step)
+                self._created.append(step)
+            try:
+                self._shape([], self.shaped_dev)  # client -> server: uploads
+                self._shape(ns, "link0")  # server -> client: responses, ACKs
+            except KernelLinkUnavailable as error:
+                raise KernelLinkUnavailable(f"{error}{_kernel_config(_CONFIG_NAMES)}") from None
+        except BaseException:
+            self.stop()
+            raise
+        self._tx_start = self._tx_bytes()
+        return self
+
+    def _tx_bytes(self) -> int:
+        try:
+            return int(Path(f"/sys/class/net/{self.shaped_dev}/statistics/tx_bytes").read_text())
+        except (OSError, ValueError):
+            return 0
+
+    def wrap(self, argv: list[str]) -> list[str]:
+        """`argv` run inside the server's namespace (`ip netns exec` execs it: the pid stays the command's)."""
+        return ["ip", "netns", "exec", self.netns, *argv]
+
+    def stop(self) -> None:
+        if not self._created:
+            return
+        self.stats = LinkStats(bytes_up=max(0, self._tx_bytes() - self._tx_start))
+        for argv in (["ip", "link", "del", self.shaped_dev], ["ip", "link", "del", self.direct_dev],
+                     ["ip", "netns", "del", self.netns]):  # fmt: skip
+            subprocess.run(argv, capture_output=True, timeout=20)  # noqa: PLW1510 - best effort
+        self._created.clear()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.server_address}:{self.server_port}"
+
+    @property
+    def direct_url(self) -> str:
+        return f"http://{self.direct_address}:{self.server_port}"
+
+    def describe(self) -> str:
+        rate = f"fq maxrate {self.bytes_per_second / 1e6:g} MB/s per flow" if self.bytes_per_second else "no cap"
+        return (f"kernel (network namespace {self.netns}, veth, netem delay {self.one_way_delay_s * 1000:g} ms "
+                f"each way, {rate})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
