@@ -2,8 +2,9 @@
 
 Each backend reduces an SDK exception to a `Failure` (a service-neutral kind plus the service's own words);
 `to_error` turns that into one error whose message is one line naming the URL and whose hint names the fix.
-`guard` is the context manager the backends wrap every SDK call in (generator bodies included). Nothing here
-imports an SDK, so this module is as cheap to import as `base.py`.
+`guard` is the context manager the backends wrap every SDK call in (generator bodies included); the checks
+every cloud backend makes before a request live here too. Nothing here imports an SDK, so this module is as
+cheap to import as `base.py`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,19 @@ def resolve_not_found(failure: Failure, bucket_exists: Callable[[], bool | None]
     return Failure(Kind.NO_BUCKET if exists is False else Kind.NO_OBJECT, failure.detail)
 
 
+def store_error(
+    failure: Failure,
+    *,
+    url: str,
+    bucket: str,
+    op: Op,
+    hints: ServiceHints,
+    bucket_exists: Callable[[], bool | None],
+) -> StreamctlError:
+    """`to_error` for a store's own request: an ambiguous 404 is first resolved by probing the bucket."""
+    return to_error(resolve_not_found(failure, bucket_exists), url=url, bucket=bucket, op=op, hints=hints)
+
+
 def to_error(failure: Failure, *, url: str, bucket: str, op: Op, hints: ServiceHints) -> StreamctlError:
     """The one error to raise for `failure` while doing `op` on `url`.
 
@@ -176,3 +190,28 @@ def strip_etag(etag: str | None) -> str | None:
 def check_range(start: int, length: int) -> None:
     if start < 0 or length < 0:
         raise UsageError(f"invalid range {start}+{length}")
+
+
+def is_empty_range(start: int, length: int, stat: Callable[[], object]) -> bool:
+    """Check a read_range request; True when it asks for no bytes, after `stat()` confirmed the object exists
+    (an empty range still reports a missing object)."""
+    check_range(start, length)
+    if length == 0:
+        stat()
+        return True
+    return False
+
+
+def check_part(url: str, state: str, index: int, max_parts: int) -> None:
+    """Refuse a part for an upload that is no longer open, or an index the store cannot hold."""
+    if state != "open":
+        raise UsageError(f"upload of {url} is already {state}")
+    if not 0 <= index < max_parts:
+        raise UsageError(f"part index {index} out of range 0..{max_parts - 1}")
+
+
+def check_no_gaps(url: str, indices: list[int]) -> None:
+    """Refuse to complete an upload whose parts (sorted indices) are not exactly 0..n-1."""
+    if indices != list(range(len(indices))):
+        missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+        raise UsageError(f"upload of {url} is missing parts {missing[:10]}")
