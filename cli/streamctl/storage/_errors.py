@@ -2,8 +2,9 @@
 
 Each backend reduces an SDK exception to a `Failure` (a service-neutral kind plus the service's own words);
 `to_error` turns that into one error whose message is one line naming the URL and whose hint names the fix.
-`guard` is the context manager the backends wrap every SDK call in (generator bodies included); the checks
-every cloud backend makes before a request live here too. Nothing here imports an SDK, so this module is as
+`guard` is the context manager the backends wrap every SDK call in (generator bodies included);
+`CloudRequests` is the request plumbing the cloud stores share, and the checks they make before a request
+live here too. Nothing here imports an SDK, so this module is as
 cheap to import as `base.py`.
 """
 
@@ -12,8 +13,9 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from streamctl.errors import (
     AccessDeniedError,
@@ -24,6 +26,9 @@ from streamctl.errors import (
     UsageError,
 )
 from streamctl.redact import mask_credentials
+from streamctl.storage import deadlines
+
+T = TypeVar("T")
 
 
 class Op(enum.Enum):
@@ -100,19 +105,6 @@ def resolve_not_found(failure: Failure, bucket_exists: Callable[[], bool | None]
     return Failure(Kind.NO_BUCKET if exists is False else Kind.NO_OBJECT, failure.detail)
 
 
-def store_error(
-    failure: Failure,
-    *,
-    url: str,
-    bucket: str,
-    op: Op,
-    hints: ServiceHints,
-    bucket_exists: Callable[[], bool | None],
-) -> StreamctlError:
-    """`to_error` for a store's own request: an ambiguous 404 is first resolved by probing the bucket."""
-    return to_error(resolve_not_found(failure, bucket_exists), url=url, bucket=bucket, op=op, hints=hints)
-
-
 def to_error(failure: Failure, *, url: str, bucket: str, op: Op, hints: ServiceHints) -> StreamctlError:
     """The one error to raise for `failure` while doing `op` on `url`.
 
@@ -175,6 +167,49 @@ def guard(translate: Callable[[Exception], StreamctlError]) -> Iterator[None]:
         if not is_sdk_exception(error):
             raise
         raise translate(error) from error
+
+
+@dataclass(frozen=True)
+class Service:
+    """How one cloud service's failures read: its classifier and its hints."""
+
+    classify: Callable[[BaseException], Failure]
+    hints: ServiceHints
+    listing_404_is_bucket: bool = False  # a listing of a missing bucket answers a bare 404 (no object to miss)
+
+
+class CloudRequests:
+    """What every cloud store (S3, GCS, Azure) does around each SDK request: the call runs under the
+    per-request deadline (storage/deadlines.py), and every SDK exception from it becomes one streamctl error,
+    an ambiguous 404 resolved by probing the bucket. The store class sets `service` and defines the rest."""
+
+    service: ClassVar[Service]
+    bucket: str
+
+    def url(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _attempts(self) -> int:
+        """Tries per request (the SDK's retries are within each)."""
+        raise NotImplementedError
+
+    def _bucket_exists(self) -> bool | None:
+        """Whether the bucket exists; None when the probe cannot tell. Only on the error path."""
+        raise NotImplementedError
+
+    def _guard(self, op: Op, key: str) -> AbstractContextManager[None]:
+        return guard(lambda error: self._error(error, op, key))
+
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline."""
+        return deadlines.call(operation, url=self.url(key), attempts=self._attempts(), expected_bytes=expected_bytes)
+
+    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
+        failure = self.service.classify(error)
+        if self.service.listing_404_is_bucket and failure.kind is Kind.NOT_FOUND and op is Op.LIST:
+            failure = Failure(Kind.NO_BUCKET, failure.detail)
+        failure = resolve_not_found(failure, self._bucket_exists)
+        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=self.service.hints)
 
 
 def lower_keys(metadata: Mapping[str, str] | None) -> dict[str, str]:

@@ -21,11 +21,11 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import azure.core.exceptions as aexc
 import requests
@@ -114,6 +114,9 @@ def _chain_summary(message: str) -> str | None:
     if not tried:
         return None
     return f"DefaultAzureCredential tried {', '.join(tried)}; none is configured here"
+
+
+SERVICE = _errors.Service(classify, HINTS, listing_404_is_bucket=True)
 
 
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
@@ -346,7 +349,8 @@ class AzureMultipartUpload:
 
 
 @dataclass
-class AzureStore:
+class AzureStore(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str  # the container
     auth: AzureAuth
     max_attempts: int = 5
@@ -387,24 +391,15 @@ class AzureStore:
     @contextmanager
     def _guard(self, op: Op, key: str) -> Iterator[None]:
         try:
-            with _errors.guard(lambda error: self._error(error, op, key)):
+            with super()._guard(op, key):
                 yield
         except CredentialChainFailed as failed:
             raise self._error(failed.error, op, key) from failed.error
 
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
+    def _attempts(self) -> int:
+        return self.max_attempts
 
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = classify(error)
-        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
-            failure = Failure(Kind.NO_BUCKET, failure.detail)  # a listing has no blob to miss
-        return _errors.store_error(
-            failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS, bucket_exists=self._container_exists
-        )
-
-    def _container_exists(self) -> bool | None:
+    def _bucket_exists(self) -> bool | None:  # the container
         try:
             container = self._container
             return bool(deadlines.call(container.exists, url=self.url(""), attempts=1))

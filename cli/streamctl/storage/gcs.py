@@ -21,10 +21,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import google.api_core.exceptions as gexc
 import google.auth
@@ -115,6 +115,9 @@ def classify(error: BaseException) -> Failure:
     if type(error).__module__.startswith("urllib3"):
         return Failure(Kind.UNAVAILABLE, one_line(error))
     return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
+
+
+SERVICE = _errors.Service(classify, HINTS, listing_404_is_bucket=True)
 
 
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
@@ -247,7 +250,8 @@ class GCSMultipartUpload:
 
 
 @dataclass
-class GCSStore:
+class GCSStore(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str
     max_attempts: int = 5
     scheme: str = "gs"
@@ -288,20 +292,8 @@ class GCSStore:
 
         return Retry(predicate=predicate, initial=0.5, maximum=8.0, multiplier=2.0, timeout=600.0)
 
-    def _guard(self, op: Op, key: str) -> AbstractContextManager[None]:
-        return _errors.guard(lambda error: self._error(error, op, key))
-
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
-
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = classify(error)
-        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
-            failure = Failure(Kind.NO_BUCKET, failure.detail)  # a listing has no object to miss
-        return _errors.store_error(
-            failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS, bucket_exists=self._bucket_exists
-        )
+    def _attempts(self) -> int:
+        return self.max_attempts
 
     def _bucket_exists(self) -> bool | None:
         try:

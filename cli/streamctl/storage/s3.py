@@ -10,11 +10,11 @@ from __future__ import annotations
 import builtins
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import boto3
 import botocore.exceptions as bce
@@ -112,6 +112,9 @@ def classify(error: BaseException) -> Failure:
     if isinstance(error, bce.ParamValidationError):
         return Failure(Kind.INVALID, one_line(error))
     return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
+
+
+SERVICE = _errors.Service(classify, HINTS)
 
 
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
@@ -249,7 +252,8 @@ def _is_no_such_upload(error: StreamctlError) -> bool:
 
 
 @dataclass
-class S3Store:
+class S3Store(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str
     settings: S3Settings
     scheme: str = "s3"
@@ -272,20 +276,8 @@ class S3Store:
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
-    def _guard(self, op: Op, key: str) -> AbstractContextManager[None]:
-        return _errors.guard(lambda error: self._error(error, op, key))
-
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(
-            operation, url=self.url(key), attempts=self.settings.max_attempts, expected_bytes=expected_bytes
-        )
-
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = classify(error)
-        return _errors.store_error(
-            failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS, bucket_exists=self._bucket_exists
-        )
+    def _attempts(self) -> int:
+        return self.settings.max_attempts
 
     def _bucket_exists(self) -> bool | None:
         # HEAD answers 404 without saying whether the bucket or the key is missing; ask about the bucket.
