@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
+
 from streamctl.checkpoint.safetensors import TensorData, safetensors_bytes
 from streamctl.storage.base import Location
 
@@ -28,16 +30,24 @@ DEMO_CONFIG = {
 _BF16_BYTES = 2
 
 
-def demo_tensors(config: dict[str, object] = DEMO_CONFIG) -> list[tuple[str, list[int]]]:
+def _size(config: Mapping[str, object], name: str) -> int:
+    """One integer size from a config.json (what int() accepts: a number, or a string of digits)."""
+    value = config[name]
+    if not isinstance(value, (int, float, str)):
+        raise TypeError(f"config {name!r} is not a number: {value!r}")
+    return int(value)
+
+
+def demo_tensors(config: Mapping[str, object] = DEMO_CONFIG) -> list[tuple[str, list[int]]]:
     """HF tensor names and shapes of a Llama model described by `config`."""
-    hidden = int(config["hidden_size"])  # type: ignore[arg-type]
-    heads = int(config["num_attention_heads"])  # type: ignore[arg-type]
-    kv_heads = int(config["num_key_value_heads"])  # type: ignore[arg-type]
+    hidden = _size(config, "hidden_size")
+    heads = _size(config, "num_attention_heads")
+    kv_heads = _size(config, "num_key_value_heads")
     head_dim = hidden // heads
-    inter = int(config["intermediate_size"])  # type: ignore[arg-type]
-    vocab = int(config["vocab_size"])  # type: ignore[arg-type]
+    inter = _size(config, "intermediate_size")
+    vocab = _size(config, "vocab_size")
     tensors: list[tuple[str, list[int]]] = [("model.embed_tokens.weight", [vocab, hidden])]
-    for layer in range(int(config["num_hidden_layers"])):  # type: ignore[arg-type]
+    for layer in range(_size(config, "num_hidden_layers")):
         prefix = f"model.layers.{layer}"
         tensors += [
             (f"{prefix}.input_layernorm.weight", [hidden]),
@@ -90,7 +100,7 @@ def build_demo_checkpoint(location: Location, shards: int = 2, seed: int = 0) ->
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     weight_map = {}
     total = 0
-    for name, group in zip(names, groups):
+    for name, group in zip(names, groups, strict=True):
         location.store.put(location.key(name), safetensors_bytes(group, {"format": "pt"}))
         for tensor_name, _, _, data in group:
             weight_map[tensor_name] = name

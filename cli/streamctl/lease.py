@@ -32,7 +32,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
@@ -126,11 +127,11 @@ class Holder:
 
 
 def _iso(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).isoformat(timespec="milliseconds")
+    return moment.astimezone(UTC).isoformat(timespec="milliseconds")
 
 
 def _shown(moment: datetime) -> str:
-    return moment.astimezone(timezone.utc).isoformat(timespec="seconds")
+    return moment.astimezone(UTC).isoformat(timespec="seconds")
 
 
 def _parse_time(text: object) -> datetime:
@@ -147,7 +148,7 @@ def _printable(text: str, limit: int = 200) -> str:
 
 
 def _now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 def _read_text(path: str) -> str | None:
@@ -180,9 +181,13 @@ def stale_reason(holder: Holder, now: datetime) -> str | None:
     if holder.expires <= now:
         return f"its last heartbeat was {_shown(holder.heartbeat)} and it expired {_shown(holder.expires)}"
     here = holder.host == socket.gethostname() and holder.boot_id is not None and holder.pid_ns is not None
-    if here and holder.boot_id == _read_text("/proc/sys/kernel/random/boot_id") and holder.pid_ns == _pid_namespace():
-        if not _process_alive(holder.pid):
-            return f"process {holder.pid} no longer runs on this host"
+    if (
+        here
+        and holder.boot_id == _read_text("/proc/sys/kernel/random/boot_id")
+        and holder.pid_ns == _pid_namespace()
+        and not _process_alive(holder.pid)
+    ):
+        return f"process {holder.pid} no longer runs on this host"
     return None
 
 
@@ -319,7 +324,7 @@ class FencedStore:
     store: Store
     guard: Callable[[], None]
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:  # every other member of the Store protocol, as the store has it
         return getattr(self.store, name)
 
     def put(

@@ -42,6 +42,7 @@ def parse_size(text: str, option: str = "size", maximum: int | None = None) -> i
             code="bad-option-value",
         )
     whole, decimals = match.group(1).lstrip("0") or "0", (match.group(2) or "")[:_MAX_DECIMALS]
+    value: int  # int ** int is typed Any (a negative exponent gives a float); these exponents are not negative
     if len(whole) > _MAX_DIGITS:
         value = 10**_MAX_DIGITS * _UNITS[unit]
     else:

@@ -18,6 +18,7 @@ reader) reads them: `-0`, `1.0`, `1e3` and anything past 2**64-1 are not integer
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -425,7 +426,7 @@ def _check_contiguity(spans: Sequence[TensorInfo | _Span]) -> Iterator[HeaderPro
     """Rule 8: end >= begin, and sorted by (begin, end) each tensor starts where the previous ended, from 0."""
     expected_begin = 0
     in_order = all(
-        (left.begin, left.end) <= (right.begin, right.end) for left, right in zip(spans, spans[1:])
+        (left.begin, left.end) <= (right.begin, right.end) for left, right in itertools.pairwise(spans)
     )  # as writers lay them out; sorting would allocate a key per tensor
     for span in spans if in_order else sorted(spans, key=lambda item: (item.begin, item.end)):
         if span.end < span.begin:
@@ -561,7 +562,8 @@ class _Scanner:
             raise _invalid_json("unterminated string", position)
         text = quoted.group().decode("utf-8")
         try:
-            value, _ = json.decoder.scanstring(text, 1, True)
+            # Public at run time (the C scanner or its Python fallback), but left out of typeshed's json.decoder.
+            value, _ = json.decoder.scanstring(text, 1, True)  # type: ignore[attr-defined]
         except ValueError as error:
             raise _invalid_json(str(error).split(":")[0], position) from None
         return value, quoted.end()

@@ -141,16 +141,22 @@ def parse_sharded_name(pattern: str, name: str) -> ShardedName | None:
     """
     pattern_fields(pattern)
     match = _name_regex(pattern).fullmatch(name)
-    if match is None:
+    single = _field_values(match) if match is not None else None
+    if single is None:
         return None
+    return ShardedName(name, single.get("pp_rank", 0), single.get("tp_rank", 0), single.get("part", 0))
+
+
+def _field_values(match: re.Match[str]) -> dict[str, int] | None:
+    """The number each field of a matched name holds (`{rank}` and `{tp_rank}` are one field), or None when
+    two places of one field disagree (e.g. {rank}-{tp_rank} with different numbers: vLLM never writes that)."""
     values: dict[str, set[int]] = {}
     for group, text in match.groupdict().items():
         field = group.rsplit("_", 1)[0]
         values.setdefault("tp_rank" if field in TP_RANK_FIELDS else field, set()).add(int(text))
     if any(len(seen) > 1 for seen in values.values()):
-        return None  # e.g. {rank}-{tp_rank} with different numbers: vLLM never writes that
-    single = {field: next(iter(seen)) for field, seen in values.items()}
-    return ShardedName(name, single.get("pp_rank", 0), single.get("tp_rank", 0), single.get("part", 0))
+        return None
+    return {field: next(iter(seen)) for field, seen in values.items()}
 
 
 def match_sharded(pattern: str, names: Iterable[str]) -> dict[tuple[int, int], list[int]]:
@@ -186,15 +192,10 @@ def rank_loading(pattern: str, name: str) -> tuple[int, int] | None:
     """
     pattern_fields(pattern)
     match = _glob_regex(pattern).fullmatch(name)
-    if match is None:
+    single = _field_values(match) if match is not None else None
+    if single is None:
         return None
-    values: dict[str, set[int]] = {}
-    for group, text in match.groupdict().items():
-        field = group.rsplit("_", 1)[0]
-        values.setdefault("tp_rank" if field in TP_RANK_FIELDS else field, set()).add(int(text))
-    if any(len(seen) > 1 for seen in values.values()):
-        return None
-    return next(iter(values.get("pp_rank", {0}))), next(iter(values.get("tp_rank", {0})))
+    return single.get("pp_rank", 0), single.get("tp_rank", 0)
 
 
 def detect_sharded_pattern(names: Iterable[str]) -> str | None:

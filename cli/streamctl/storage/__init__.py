@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from streamctl import sdklogging
 from streamctl.errors import UsageError
-from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, Store, StorageOptions
+from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, StorageOptions, Store
 from streamctl.storage.url import ParsedURL, parse_url
 
 # scheme -> "module:factory"; each factory is `(ParsedURL, StorageOptions) -> Store`.
@@ -27,7 +27,8 @@ def _factory(scheme: str) -> Callable[[ParsedURL, StorageOptions], Store]:
     module_name, _, attr = BACKENDS[scheme].partition(":")
     module = importlib.import_module(module_name)
     sdklogging.apply_all()  # SDK loggers are silent unless --debug (after the import: some set levels then)
-    return getattr(module, attr)
+    factory: Callable[[ParsedURL, StorageOptions], Store] = getattr(module, attr)
+    return factory
 
 
 def open_location(url: str, options: StorageOptions | None = None) -> Location:

@@ -2,8 +2,10 @@
 
 Each backend reduces an SDK exception to a `Failure` (a service-neutral kind plus the service's own words);
 `to_error` turns that into one error whose message is one line naming the URL and whose hint names the fix.
-`guard` is the context manager the backends wrap every SDK call in (generator bodies included). Nothing here
-imports an SDK, so this module is as cheap to import as `base.py`.
+`guard` is the context manager the backends wrap every SDK call in (generator bodies included);
+`CloudRequests` is the request plumbing the cloud stores share, and the checks they make before a request
+live here too. Nothing here imports an SDK, so this module is as
+cheap to import as `base.py`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from streamctl.errors import (
     AccessDeniedError,
@@ -23,6 +26,9 @@ from streamctl.errors import (
     UsageError,
 )
 from streamctl.redact import mask_credentials
+from streamctl.storage import deadlines
+
+T = TypeVar("T")
 
 
 class Op(enum.Enum):
@@ -163,6 +169,49 @@ def guard(translate: Callable[[Exception], StreamctlError]) -> Iterator[None]:
         raise translate(error) from error
 
 
+@dataclass(frozen=True)
+class Service:
+    """How one cloud service's failures read: its classifier and its hints."""
+
+    classify: Callable[[BaseException], Failure]
+    hints: ServiceHints
+    listing_404_is_bucket: bool = False  # a listing of a missing bucket answers a bare 404 (no object to miss)
+
+
+class CloudRequests:
+    """What every cloud store (S3, GCS, Azure) does around each SDK request: the call runs under the
+    per-request deadline (storage/deadlines.py), and every SDK exception from it becomes one streamctl error,
+    an ambiguous 404 resolved by probing the bucket. The store class sets `service` and defines the rest."""
+
+    service: ClassVar[Service]
+    bucket: str
+
+    def url(self, key: str) -> str:
+        raise NotImplementedError
+
+    def _attempts(self) -> int:
+        """Tries per request (the SDK's retries are within each)."""
+        raise NotImplementedError
+
+    def _bucket_exists(self) -> bool | None:
+        """Whether the bucket exists; None when the probe cannot tell. Only on the error path."""
+        raise NotImplementedError
+
+    def _guard(self, op: Op, key: str) -> AbstractContextManager[None]:
+        return guard(lambda error: self._error(error, op, key))
+
+    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
+        """One SDK call (body included) under the per-request deadline."""
+        return deadlines.call(operation, url=self.url(key), attempts=self._attempts(), expected_bytes=expected_bytes)
+
+    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
+        failure = self.service.classify(error)
+        if self.service.listing_404_is_bucket and failure.kind is Kind.NOT_FOUND and op is Op.LIST:
+            failure = Failure(Kind.NO_BUCKET, failure.detail)
+        failure = resolve_not_found(failure, self._bucket_exists)
+        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=self.service.hints)
+
+
 def lower_keys(metadata: Mapping[str, str] | None) -> dict[str, str]:
     """User metadata with lower-cased keys: stores disagree on case, so every backend normalises."""
     return {str(key).lower(): str(value) for key, value in (metadata or {}).items()}
@@ -176,3 +225,28 @@ def strip_etag(etag: str | None) -> str | None:
 def check_range(start: int, length: int) -> None:
     if start < 0 or length < 0:
         raise UsageError(f"invalid range {start}+{length}")
+
+
+def is_empty_range(start: int, length: int, stat: Callable[[], object]) -> bool:
+    """Check a read_range request; True when it asks for no bytes, after `stat()` confirmed the object exists
+    (an empty range still reports a missing object)."""
+    check_range(start, length)
+    if length == 0:
+        stat()
+        return True
+    return False
+
+
+def check_part(url: str, state: str, index: int, max_parts: int) -> None:
+    """Refuse a part for an upload that is no longer open, or an index the store cannot hold."""
+    if state != "open":
+        raise UsageError(f"upload of {url} is already {state}")
+    if not 0 <= index < max_parts:
+        raise UsageError(f"part index {index} out of range 0..{max_parts - 1}")
+
+
+def check_no_gaps(url: str, indices: list[int]) -> None:
+    """Refuse to complete an upload whose parts (sorted indices) are not exactly 0..n-1."""
+    if indices != list(range(len(indices))):
+        missing = sorted(set(range(indices[-1] + 1)) - set(indices))
+        raise UsageError(f"upload of {url} is missing parts {missing[:10]}")

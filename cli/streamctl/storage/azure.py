@@ -16,38 +16,26 @@ from __future__ import annotations
 
 import base64
 import binascii
+import builtins
 import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import azure.core.exceptions as aexc
-from azure.core import MatchConditions
 import requests
+from azure.core import MatchConditions
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
 
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
-from streamctl.storage import deadlines
-from streamctl.storage._errors import (
-    Failure,
-    Kind,
-    Op,
-    ServiceHints,
-    check_range,
-    guard,
-    kind_for_status,
-    lower_keys,
-    one_line,
-    resolve_not_found,
-    strip_etag,
-    to_error,
-)
+from streamctl.storage import _errors, deadlines
+from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
 from streamctl.storage.url import ParsedURL
 
@@ -128,9 +116,12 @@ def _chain_summary(message: str) -> str | None:
     return f"DefaultAzureCredential tried {', '.join(tried)}; none is configured here"
 
 
+SERVICE = _errors.Service(classify, HINTS, listing_404_is_bucket=True)
+
+
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
     """The streamctl error for an SDK exception (without the container probe a store adds for bare 404s)."""
-    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+    return _errors.to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
 
 
 @dataclass(frozen=True)
@@ -178,13 +169,13 @@ def _transport() -> RequestsTransport:
     deadlines.install_urllib3()  # the SDK's timeouts are per socket read (per chunk): the overall deadline is ours
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     try:  # azure-core's adapter reads in bigger blocks (faster downloads); private, so optional
-        from azure.core.pipeline.transport._bigger_block_size_http_adapters import (
-            BiggerBlockSizeHTTPAdapter as Adapter,
-        )
+        from azure.core.pipeline.transport._bigger_block_size_http_adapters import BiggerBlockSizeHTTPAdapter
+
+        adapter_class: type[requests.adapters.HTTPAdapter] = BiggerBlockSizeHTTPAdapter
     except ImportError:  # pragma: no cover - depends on the azure-core version
-        Adapter = requests.adapters.HTTPAdapter  # noqa: N806
+        adapter_class = requests.adapters.HTTPAdapter
     retries = requests.adapters.Retry(total=False, redirect=False, raise_on_status=False)  # the SDK retries
-    adapter = Adapter(pool_connections=4, pool_maxsize=64, max_retries=retries)
+    adapter = adapter_class(pool_connections=4, pool_maxsize=64, max_retries=retries)
     session = requests.Session()
     session.mount("https://", adapter)
     session.mount("http://", adapter)
@@ -317,10 +308,7 @@ class AzureMultipartUpload:
     _state: str = "open"  # "open", "completed" or "aborted"
 
     def upload_part(self, index: int, data: bytes) -> None:
-        if self._state != "open":
-            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
-        if not 0 <= index < self.store.max_parts:
-            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
+        _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
             self.store._call(
@@ -337,9 +325,7 @@ class AzureMultipartUpload:
         if metadata:
             self.metadata = {**self.metadata, **_check_metadata(metadata, self.store.url(self.key))}
         indices = sorted(sizes)
-        if indices != list(range(len(indices))):
-            missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-            raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+        _errors.check_no_gaps(self.store.url(self.key), indices)
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
             response = self.store._call(
@@ -363,7 +349,8 @@ class AzureMultipartUpload:
 
 
 @dataclass
-class AzureStore:
+class AzureStore(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str  # the container
     auth: AzureAuth
     max_attempts: int = 5
@@ -404,25 +391,15 @@ class AzureStore:
     @contextmanager
     def _guard(self, op: Op, key: str) -> Iterator[None]:
         try:
-            with guard(lambda error: self._error(error, op, key)):
+            with super()._guard(op, key):
                 yield
         except CredentialChainFailed as failed:
             raise self._error(failed.error, op, key) from failed.error
 
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
+    def _attempts(self) -> int:
+        return self.max_attempts
 
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = classify(error)
-        if failure.kind is Kind.NO_CREDENTIALS:
-            return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
-        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
-            failure = Failure(Kind.NO_BUCKET, failure.detail)
-        failure = resolve_not_found(failure, self._container_exists)
-        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
-
-    def _container_exists(self) -> bool | None:
+    def _bucket_exists(self) -> bool | None:  # the container
         try:
             container = self._container
             return bool(deadlines.call(container.exists, url=self.url(""), attempts=1))
@@ -454,16 +431,15 @@ class AzureStore:
         return ObjectInfo(key, int(props.size or 0), strip_etag(props.etag), lower_keys(props.metadata))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        check_range(start, length)
-        if length == 0:
-            self.stat(key)  # an empty range still reports a missing object
+        if _errors.is_empty_range(start, length, lambda: self.stat(key)):
             return b""
         with self._guard(Op.READ, key):
             try:
                 blob = self._blob(key)
-                return self._call(
+                data: bytes = self._call(
                     key, lambda: blob.download_blob(offset=start, length=length, max_concurrency=1).readall(), length
                 )
+                return data
             except aexc.HttpResponseError as error:
                 if getattr(error, "status_code", None) == 416:
                     return b""  # the range starts at or after the end of the blob
@@ -503,8 +479,7 @@ class AzureStore:
             except aexc.ResourceNotFoundError:
                 return  # nothing to delete (blob or container)
 
-
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         """Blobs that hold only uncommitted blocks: an upload that never committed its block list.
 
         (Blocks left beside a committed blob need no help: the next commit of that blob drops them, and

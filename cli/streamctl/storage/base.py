@@ -7,6 +7,7 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 
 from __future__ import annotations
 
+import builtins
 import mimetypes
 import os
 import posixpath
@@ -209,7 +210,7 @@ class Store(Protocol):
         """Remove one object; a missing object is not an error."""
         ...
 
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         """Uploads started for keys under `prefix` (a plain string prefix) and never completed nor aborted.
 
         A run killed outright (SIGKILL, a lost machine) cannot abort its own; the next run into the same

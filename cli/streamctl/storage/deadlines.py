@@ -360,7 +360,7 @@ def httpx_transport(httpx: Any, httpcore: Any, inner: Any) -> Any:
     if pool is not None and hasattr(pool, "_network_backend"):
         pool._network_backend = _network_backend(httpcore, pool._network_backend)
 
-    class _Body(httpx.SyncByteStream):  # type: ignore[misc, name-defined]
+    class _Body(httpx.SyncByteStream):
         def __init__(self, stream: Any, scope: Scope) -> None:
             self._stream, self._scope = stream, scope
 
@@ -373,7 +373,7 @@ def httpx_transport(httpx: Any, httpcore: Any, inner: Any) -> Any:
             finally:
                 _WATCHDOG.end_request(self._scope)
 
-    class DeadlineTransport(httpx.BaseTransport):  # type: ignore[misc, name-defined]
+    class DeadlineTransport(httpx.BaseTransport):
         def handle_request(self, request: Any) -> Any:
             scope = current()
             if scope is None:
@@ -401,13 +401,14 @@ def _network_backend(httpcore: Any, inner: Any) -> Any:
             if sock is not None:
                 scope.io_socket = sock
 
-    class Stream(httpcore.NetworkStream):  # type: ignore[misc, name-defined]
+    class Stream(httpcore.NetworkStream):
         def __init__(self, stream: Any) -> None:
             self._stream = stream
 
         def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
             report(self._stream)
-            return self._stream.read(max_bytes, timeout)
+            data: bytes = self._stream.read(max_bytes, timeout)
+            return data
 
         def write(self, buffer: bytes, timeout: float | None = None) -> None:
             report(self._stream)
@@ -422,7 +423,7 @@ def _network_backend(httpcore: Any, inner: Any) -> Any:
         def get_extra_info(self, info: str) -> Any:
             return self._stream.get_extra_info(info)
 
-    class Backend(httpcore.NetworkBackend):  # type: ignore[misc, name-defined]
+    class Backend(httpcore.NetworkBackend):
         def connect_tcp(self, *args: Any, **kwargs: Any) -> Any:
             return Stream(inner.connect_tcp(*args, **kwargs))
 

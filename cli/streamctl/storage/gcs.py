@@ -15,15 +15,16 @@ upload in flight (or one left behind by a crash) never shows up as data, and no 
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from datetime import datetime
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from datetime import datetime
+from typing import Any, ClassVar, TypeVar
 
 import google.api_core.exceptions as gexc
 import google.auth
@@ -36,20 +37,8 @@ from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
 from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, UsageError
-from streamctl.storage import deadlines
-from streamctl.storage._errors import (
-    Failure,
-    Kind,
-    Op,
-    ServiceHints,
-    check_range,
-    guard,
-    kind_for_status,
-    lower_keys,
-    one_line,
-    resolve_not_found,
-    to_error,
-)
+from streamctl.storage import _errors, deadlines
+from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line
 from streamctl.storage.base import (
     ObjectInfo,
     StorageOptions,
@@ -128,9 +117,12 @@ def classify(error: BaseException) -> Failure:
     return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
 
 
+SERVICE = _errors.Service(classify, HINTS, listing_404_is_bucket=True)
+
+
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
     """The streamctl error for an SDK exception (without the bucket probe a store adds for bare 404s)."""
-    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+    return _errors.to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
 
 
 def is_temporary(name: str) -> bool:
@@ -189,10 +181,7 @@ class GCSMultipartUpload:
         return f"{self.temporary_prefix}{index:05d}"
 
     def upload_part(self, index: int, data: bytes) -> None:
-        if self._state != "open":
-            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
-        if not 0 <= index < self.store.max_parts:
-            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
+        _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
         self.store._upload(self.part_name(index), data, None, _PART_CONTENT_TYPE, report_key=self.key)
         with self._lock:
             self._sizes[index] = len(data)
@@ -210,9 +199,7 @@ class GCSMultipartUpload:
             sizes = dict(self._sizes)
         try:
             indices = sorted(sizes)
-            if indices != list(range(len(indices))):
-                missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-                raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+            _errors.check_no_gaps(self.store.url(self.key), indices)
             if not indices:
                 info = self.store.put(self.key, b"", self.metadata, self.content_type)
             else:
@@ -233,7 +220,7 @@ class GCSMultipartUpload:
             targets = [f"{self.temporary_prefix}c{level}-{j:05d}" for j in range(len(groups))]
             self.store._parallel(
                 lambda pair: self.store._compose(pair[0], pair[1], None, _PART_CONTENT_TYPE, report_key=self.key),
-                list(zip(groups, targets)),
+                list(zip(groups, targets, strict=True)),
             )
             names, level = targets, level + 1
         blob = self.store._compose(names, self.key, self.metadata, self.content_type, report_key=self.key)
@@ -263,7 +250,8 @@ class GCSMultipartUpload:
 
 
 @dataclass
-class GCSStore:
+class GCSStore(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str
     max_attempts: int = 5
     scheme: str = "gs"
@@ -304,19 +292,8 @@ class GCSStore:
 
         return Retry(predicate=predicate, initial=0.5, maximum=8.0, multiplier=2.0, timeout=600.0)
 
-    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
-        return guard(lambda error: self._error(error, op, key))
-
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(operation, url=self.url(key), attempts=self.max_attempts, expected_bytes=expected_bytes)
-
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = classify(error)
-        if failure.kind is Kind.NOT_FOUND and op is Op.LIST:
-            failure = Failure(Kind.NO_BUCKET, failure.detail)  # a listing has no object to miss
-        failure = resolve_not_found(failure, self._bucket_exists)
-        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
+    def _attempts(self) -> int:
+        return self.max_attempts
 
     def _bucket_exists(self) -> bool | None:
         try:
@@ -350,22 +327,21 @@ class GCSStore:
             return self._info(key, blob)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        check_range(start, length)
-        if length == 0:
-            self.stat(key)  # an empty range still reports a missing object
+        if _errors.is_empty_range(start, length, lambda: self.stat(key)):
             return b""
         with self._guard(Op.READ, key):
             try:
                 # raw_download: bytes as stored, never decompressed (ranges of transcoded objects are not
                 # ranges of the stored bytes); no checksum, as a range has none to check against.
                 blob = self._bucket.blob(key)
-                return self._call(
+                data: bytes = self._call(
                     key,
                     lambda: blob.download_as_bytes(
                         start=start, end=start + length - 1, raw_download=True, checksum=None, retry=self._retry()
                     ),
                     length,
                 )
+                return data
             except gexc.RequestRangeNotSatisfiable:
                 return b""  # the range starts at or after the end of the object
 
@@ -385,7 +361,7 @@ class GCSStore:
 
     def _compose(
         self,
-        sources: list[str],
+        sources: builtins.list[str],
         target: str,
         metadata: Mapping[str, str] | None,
         content_type: str,
@@ -402,12 +378,12 @@ class GCSStore:
             self._call(report_key, lambda: blob.compose([bucket.blob(name) for name in sources], retry=self._retry()))
             return blob
 
-    def _parallel(self, function: Callable[[T], object], items: list[T]) -> None:
+    def _parallel(self, function: Callable[[T], object], items: builtins.list[T]) -> None:
         with ThreadPoolExecutor(max_workers=min(self.workers, max(1, len(items)))) as pool:
             for future in [pool.submit(function, item) for item in items]:
                 future.result()  # re-raises the first failure (already a StreamctlError)
 
-    def _delete_quietly(self, names: list[str]) -> list[str]:
+    def _delete_quietly(self, names: builtins.list[str]) -> builtins.list[str]:
         """Delete `names` in parallel; return those that could not be deleted."""
         failed: list[str] = []
 
@@ -443,8 +419,7 @@ class GCSStore:
             except gexc.NotFound:
                 return  # nothing to delete (object or bucket)
 
-
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         """Part objects of uploads that were never composed (billed like any object until deleted)."""
         stored: dict[tuple[str, str], int] = {}
         started: dict[tuple[str, str], datetime] = {}
@@ -499,18 +474,24 @@ class GCSStore:
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         # The generation first, then the bytes of exactly that generation (a 412 if it was replaced between).
         for _ in range(5):
-            with self._guard(Op.READ, key):
-                blob = self._bucket.blob(key)
-                self._call(key, lambda: blob.reload(retry=self._retry()))
-                generation = blob.generation  # before the download, which resets it from its own headers
-                try:
-                    data = self._call(key, lambda: blob.download_as_bytes(
-                        if_generation_match=generation, raw_download=True, retry=self._retry()
-                    ))  # fmt: skip
-                except gexc.PreconditionFailed:
-                    continue
-                return data, str(generation)
+            read = self._read_one_generation(key)
+            if read is not None:
+                return read
         raise RemoteError(f"{self.url(key)}: replaced five times while being read", hint="run the command again")
+
+    def _read_one_generation(self, key: str) -> tuple[bytes, str] | None:
+        """The object's bytes and generation; None when it was replaced between the two requests."""
+        with self._guard(Op.READ, key):
+            blob = self._bucket.blob(key)
+            self._call(key, lambda: blob.reload(retry=self._retry()))
+            generation = blob.generation  # before the download, which resets it from its own headers
+            try:
+                data = self._call(key, lambda: blob.download_as_bytes(
+                    if_generation_match=generation, raw_download=True, retry=self._retry()
+                ))  # fmt: skip
+            except gexc.PreconditionFailed:
+                return None
+            return data, str(generation)
 
     def replace_if_version(
         self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None

@@ -12,11 +12,12 @@ This module is imported only when an hf:// URL is opened, so huggingface_hub loa
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
@@ -44,8 +45,7 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import deadlines
-from streamctl.storage.base import unsafe_path_reason
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload
+from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, unsafe_path_reason
 from streamctl.storage.url import ParsedURL, format_hf_url
 
 REPO_TYPES = ("model", "dataset")
@@ -243,17 +243,17 @@ class HfStore:
                     yield chunk
             except (*_RETRYABLE, deadlines.RequestCut) as error:
                 failures += 1
-                cut = isinstance(error, deadlines.RequestCut)
-                if failures >= self.max_attempts or (cut and error.cancelled):
-                    if cut:
+                if isinstance(error, deadlines.RequestCut):
+                    if failures >= self.max_attempts or error.cancelled:
                         raise deadlines.final_error(error, self.url(key), self.max_attempts) from None
+                elif failures >= self.max_attempts:
                     raise self._map(error, self.url(key)) from None
             finally:
                 chunks.close()
                 deadlines.leave(scope)
             time.sleep(self.retry_wait * 2 ** (failures - 1))
 
-    def _stream(self, key: str, start: int, length: int, chunk_size: int) -> Iterator[bytes]:
+    def _stream(self, key: str, start: int, length: int, chunk_size: int) -> Generator[bytes, None, None]:
         """One ranged GET; status retries (5xx, 429) inside huggingface_hub's back-off, network errors raised."""
         url = hf_hub_url(self.repo_id, key, repo_type=self.repo_type, revision=self.commit)
         headers = build_hf_headers(token=self.token, library_name="streamctl", library_version=__version__)
@@ -311,7 +311,7 @@ class HfStore:
     def delete(self, key: str) -> NoReturn:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
 
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         return []  # nothing is ever uploaded here
 
     # -- errors ------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ O_NOFOLLOW from the one above it (openat-style), and the final rename replaces a
 
 from __future__ import annotations
 
+import builtins
 import errno
 import hashlib
 import os
@@ -22,7 +23,7 @@ import stat as stat_mode
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
@@ -36,10 +37,9 @@ from streamctl.errors import (
     UsageError,
 )
 from streamctl.storage.base import (
-    unsafe_path_reason,
     TEMPORARY_FOLDER,
-    ObjectInfo,
     ListingNote,
+    ObjectInfo,
     StorageOptions,
     TemporaryName,
     UnfinishedUpload,
@@ -47,6 +47,7 @@ from streamctl.storage.base import (
     new_temporary_token,
     parse_temporary_key,
     temporary_key,
+    unsafe_path_reason,
 )
 from streamctl.storage.url import ParsedURL
 
@@ -477,7 +478,7 @@ class LocalStore:
             etag = f"{listed.stat.st_mtime_ns:x}-{listed.stat.st_size:x}"
             yield ObjectInfo(listed.key, listed.stat.st_size, etag, _read_metadata(listed.target))
 
-    def notes(self, prefix: str) -> list[ListingNote]:
+    def notes(self, prefix: str) -> builtins.list[ListingNote]:
         """What list(prefix) leaves out (special files, links not followed, temporary files of uploads in
         flight or of killed runs) and the links it lists files through."""
         if not self.root.is_dir():
@@ -490,7 +491,7 @@ class LocalStore:
         ]
         return sorted(scan.notes + temporary, key=lambda note: note.key)
 
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         """Temporary files of writes that never completed (their process was killed)."""
         if not self.root.is_dir():
             return []  # nothing was ever written here
@@ -499,7 +500,7 @@ class LocalStore:
                 temporary.final_key,
                 listed.stat.st_size,
                 partial(self._discard, temporary),
-                datetime.fromtimestamp(listed.stat.st_mtime, timezone.utc),  # a live writer keeps it fresh
+                datetime.fromtimestamp(listed.stat.st_mtime, UTC),  # a live writer keeps it fresh
             )
             for temporary, listed in self._scan(prefix).temporary
         ]
@@ -562,7 +563,7 @@ class LocalStore:
         return path, fd, info
 
     def stat(self, key: str) -> ObjectInfo:
-        path, fd, info = self._open_regular(key)
+        _, fd, info = self._open_regular(key)
         try:
             etag = f"{info.st_mtime_ns:x}-{info.st_size:x}"
             return ObjectInfo(key, info.st_size, etag, _read_metadata(fd))

@@ -7,34 +7,22 @@ works with boto3 versions that do not read them). Multipart uploads are native S
 
 from __future__ import annotations
 
+import builtins
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
 
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
-from streamctl.storage import deadlines
-from streamctl.storage._errors import (
-    Failure,
-    Kind,
-    Op,
-    ServiceHints,
-    check_range,
-    guard,
-    kind_for_status,
-    lower_keys,
-    one_line,
-    resolve_not_found,
-    strip_etag,
-    to_error,
-)
+from streamctl.storage import _errors, deadlines
+from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
 from streamctl.storage.url import ParsedURL
 
@@ -73,23 +61,18 @@ _BAD_CREDENTIAL_CODES = frozenset(
 _UNAVAILABLE_CODES = frozenset(
     {"SlowDown", "RequestTimeout", "ServiceUnavailable", "InternalError", "Throttling", "ThrottlingException"}
 )
-_MISSING_CREDENTIALS = tuple(
-    cls
-    for cls in (
-        getattr(bce, name, None)
-        for name in ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound", "NoAuthTokenError")
-    )
-    if cls is not None
+
+
+def _botocore_errors(*names: str) -> tuple[type[BaseException], ...]:
+    """The botocore exception classes of these names that the installed botocore has."""
+    return tuple(cls for cls in (getattr(bce, name, None) for name in names) if cls is not None)
+
+
+_MISSING_CREDENTIALS = _botocore_errors(
+    "NoCredentialsError", "PartialCredentialsError", "ProfileNotFound", "NoAuthTokenError"
 )
 # SSO / login token problems: credentials exist but need refreshing.
-_STALE_CREDENTIALS = tuple(
-    cls
-    for cls in (
-        getattr(bce, name, None)
-        for name in ("CredentialRetrievalError", "TokenRetrievalError", "SSOError", "LoginError")
-    )
-    if cls is not None
-)
+_STALE_CREDENTIALS = _botocore_errors("CredentialRetrievalError", "TokenRetrievalError", "SSOError", "LoginError")
 T = TypeVar("T")
 _NETWORK = (bce.HTTPClientError, bce.ConnectionError, bce.IncompleteReadError)
 
@@ -124,16 +107,19 @@ def classify(error: BaseException) -> Failure:
         return Failure(Kind.BAD_CREDENTIALS, one_line(error))
     if isinstance(error, bce.FlexibleChecksumError):
         return Failure(Kind.CORRUPT, one_line(error))
-    if isinstance(error, _NETWORK) or isinstance(error, OSError) or type(error).__module__.startswith("urllib3"):
+    if isinstance(error, (*_NETWORK, OSError)) or type(error).__module__.startswith("urllib3"):
         return Failure(Kind.UNAVAILABLE, one_line(error))
     if isinstance(error, bce.ParamValidationError):
         return Failure(Kind.INVALID, one_line(error))
     return Failure(Kind.OTHER, one_line(f"{type(error).__name__}: {error}"))
 
 
+SERVICE = _errors.Service(classify, HINTS)
+
+
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
     """The streamctl error for an exception from boto3 (without the bucket probe a store adds for 404s)."""
-    return to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
+    return _errors.to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
 
 
 @dataclass(frozen=True)
@@ -187,26 +173,20 @@ class S3MultipartUpload:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "aborting", "completed" or "aborted"
 
-    def upload_part(self, index: int, data: bytes) -> None:
-        if self._state != "open":
-            raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
-        if not 0 <= index < self.store.max_parts:
-            raise UsageError(f"part index {index} out of range 0..{self.store.max_parts - 1}")
-        extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
+    def _request(self, method: str, expected_bytes: int = 0, **arguments: Any) -> Any:
+        """One request about this upload (Bucket, Key and UploadId filled in) under the store's guard."""
         with self.store._guard(Op.WRITE, self.key):
-            client = self.store._client
-            response = self.store._call(
+            operation = getattr(self.store._client, method)
+            return self.store._call(
                 self.key,
-                lambda: client.upload_part(
-                    Bucket=self.store.bucket,
-                    Key=self.key,
-                    UploadId=self.upload_id,
-                    PartNumber=index + 1,
-                    Body=data,
-                    **extra,
-                ),
-                len(data),
+                partial(operation, Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id, **arguments),
+                expected_bytes,
             )
+
+    def upload_part(self, index: int, data: bytes) -> None:
+        _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
+        extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
+        response = self._request("upload_part", len(data), PartNumber=index + 1, Body=data, **extra)
         part = {"PartNumber": index + 1, "ETag": response["ETag"]}
         if self.checksum_algorithm:
             # An upload created with a checksum algorithm must list each part's checksum on completion.
@@ -226,9 +206,7 @@ class S3MultipartUpload:
                 raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
             parts = dict(self._parts)
         indices = sorted(parts)
-        if indices != list(range(len(indices))):
-            missing = sorted(set(range(indices[-1] + 1)) - set(indices))
-            raise UsageError(f"upload of {self.store.url(self.key)} is missing parts {missing[:10]}")
+        _errors.check_no_gaps(self.store.url(self.key), indices)
         if not parts:
             # S3 refuses to complete an upload without parts; an empty object is a plain put.
             self.abort()
@@ -237,22 +215,12 @@ class S3MultipartUpload:
                 self._state = "completed"
             return info
         size = sum(length for _, length in parts.values())
-        with self.store._guard(Op.WRITE, self.key):
-            client = self.store._client
-            # S3 may take minutes to assemble a large object (it sends whitespace meanwhile): scale by size.
-            response = self.store._call(
-                self.key,
-                lambda: client.complete_multipart_upload(
-                    Bucket=self.store.bucket,
-                    Key=self.key,
-                    UploadId=self.upload_id,
-                    MultipartUpload={"Parts": [parts[index][0] for index in indices]},
-                ),
-                size,
-            )
+        # S3 may take minutes to assemble a large object (it sends whitespace meanwhile): scale by size.
+        response = self._request(
+            "complete_multipart_upload", size, MultipartUpload={"Parts": [parts[index][0] for index in indices]}
+        )
         with self._lock:
             self._state = "completed"
-        size = sum(length for _, length in parts.values())
         etag = strip_etag(response.get("ETag"))
         if late:
             # S3 fixes user metadata when the upload is created: metadata known only now takes a server-side
@@ -267,14 +235,7 @@ class S3MultipartUpload:
                 return
             self._state = "aborting"  # refuses further parts
         try:
-            with self.store._guard(Op.WRITE, self.key):
-                client = self.store._client
-                self.store._call(
-                    self.key,
-                    lambda: client.abort_multipart_upload(
-                        Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id
-                    ),
-                )
+            self._request("abort_multipart_upload")
         except StreamctlError as error:
             # NoSuchUpload: already gone (aborted elsewhere, or expired by a lifecycle rule).
             if not _is_no_such_upload(error):
@@ -291,7 +252,8 @@ def _is_no_such_upload(error: StreamctlError) -> bool:
 
 
 @dataclass
-class S3Store:
+class S3Store(_errors.CloudRequests):
+    service: ClassVar[_errors.Service] = SERVICE
     bucket: str
     settings: S3Settings
     scheme: str = "s3"
@@ -314,18 +276,8 @@ class S3Store:
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 
-    def _guard(self, op: Op, key: str):  # noqa: ANN202 - a context manager
-        return guard(lambda error: self._error(error, op, key))
-
-    def _call(self, key: str, operation: Callable[[], T], expected_bytes: int = 0) -> T:
-        """One SDK call (body included) under the per-request deadline (storage/deadlines.py)."""
-        return deadlines.call(
-            operation, url=self.url(key), attempts=self.settings.max_attempts, expected_bytes=expected_bytes
-        )
-
-    def _error(self, error: BaseException, op: Op, key: str) -> StreamctlError:
-        failure = resolve_not_found(classify(error), self._bucket_exists)
-        return to_error(failure, url=self.url(key), bucket=self.bucket, op=op, hints=HINTS)
+    def _attempts(self) -> int:
+        return self.settings.max_attempts
 
     def _bucket_exists(self) -> bool | None:
         # HEAD answers 404 without saying whether the bucket or the key is missing; ask about the bucket.
@@ -368,9 +320,7 @@ class S3Store:
             return self._info(key, self._call(key, lambda: client.head_object(Bucket=self.bucket, Key=key)))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        check_range(start, length)
-        if length == 0:
-            self.stat(key)  # an empty range still reports a missing object
+        if _errors.is_empty_range(start, length, lambda: self.stat(key)):
             return b""
         with self._guard(Op.READ, key):
             client = self._client
@@ -502,8 +452,7 @@ class S3Store:
                 return  # nothing to delete
             raise
 
-
-    def unfinished_uploads(self, prefix: str) -> list[UnfinishedUpload]:
+    def unfinished_uploads(self, prefix: str) -> builtins.list[UnfinishedUpload]:
         """Multipart uploads in progress under `prefix` (S3 bills their parts until they are aborted)."""
         unfinished = []
         with self._guard(Op.LIST, prefix):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
-import os
 from urllib.parse import quote, unquote, urlparse
 
 from streamctl.errors import UsageError
