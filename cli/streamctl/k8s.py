@@ -327,7 +327,7 @@ def serve_manifests(
         pod_spec["serviceAccountName"] = service_account
     if accelerator:
         pod_spec["nodeSelector"] = {"cloud.google.com/gke-accelerator": accelerator}
-    deployment = {
+    deployment: dict[str, object] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
@@ -337,7 +337,7 @@ def serve_manifests(
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
-    service = {
+    service: dict[str, object] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},

@@ -124,6 +124,7 @@ class ServeOptions:
     tune: bool = False
 
     def validate(self) -> None:
+        """UsageError for what no checkpoint could make right (sizes, flags vLLM must not get after --)."""
         check_parallel_sizes(self.tensor_parallel_size, None)
         if self.concurrency is not None:
             check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
@@ -153,6 +154,8 @@ class CheckpointFacts:
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """One `vllm serve` launch: what to run, and the parsed values that sized it."""
+
     argv: tuple[str, ...]
     env: Mapping[str, str]  # the variables streamctl adds or changes; the rest of the environment passes through
     load_format: str
