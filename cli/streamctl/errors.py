@@ -78,6 +78,19 @@ class VerificationFailed(StreamctlError):
     code = "verification-failed"
 
 
+class PreflightFailed(VerificationFailed):
+    """`serve`'s pre-flight found errors, so vLLM was not launched. `report` is the VerifyReport (the command
+    shows its findings; `details` carry them into the JSON error document)."""
+
+    code = "preflight-failed"
+
+    def __init__(
+        self, message: str, hint: str | None = None, *, report: Any, details: dict[str, Any] | None = None
+    ) -> None:
+        super().__init__(message, hint, details=details)
+        self.report = report
+
+
 class DestinationBusy(StreamctlError):
     """Another run holds the DEST's lease and is alive, or took it from this run (see streamctl.lease).
 

@@ -1,4 +1,5 @@
-"""Kubernetes manifests as plain data, and a small YAML writer for them (no YAML dependency needed)."""
+"""Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job), the policy that sizes
+them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small YAML writer."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import math
 import re
 import shlex
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from streamctl.errors import UsageError
 from streamctl.redact import has_credentials, mask_credentials
+from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, staging_bytes
 from streamctl.serve.vllm_args import secret_values
 
 SECRET_HINT = (
@@ -175,33 +178,66 @@ def transfer_job(
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 VLLM_PORT = 8000
 PROBE_PERIOD_S = 10
+GiB = 1024**3
+VLLM_WORKING_SET_BYTES = 8 * GiB  # host memory vLLM itself needs besides the streamer's staging
+
+
+@dataclass(frozen=True)
+class ServeManifestOptions:
+    """`serve --k8s`'s own options (the Kubernetes section of its help)."""
+
+    namespace: str = "default"
+    name: str | None = None  # else derived from the model's last path segment
+    image: str | None = None  # else DEFAULT_VLLM_IMAGE
+    service_account: str | None = None
+    accelerator: str | None = None  # GKE accelerator type, e.g. nvidia-l4
+    secret: str | None = None  # a Secret whose keys become environment variables
+
+
+def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
+    """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
+    return int(math.ceil(total_bytes / worst_case_bytes_per_second)) + 600
+
+
+def pod_memory_request(facts: CheckpointFacts, plan: LaunchPlan, tensor_parallel_size: int) -> int:
+    """Host memory a serving pod needs: staging per streaming worker plus vLLM's own working set."""
+    workers = 1 if plan.distributed else tensor_parallel_size
+    return workers * staging_bytes(facts, plan.memory_limit) + VLLM_WORKING_SET_BYTES
+
+
+def pod_shm_bytes(tensor_parallel_size: int) -> int:
+    """/dev/shm for the pod: NCCL between TP ranks needs far more than a container's 64 MiB default."""
+    return 16 * GiB if tensor_parallel_size > 1 else 2 * GiB
+
+
+def serve_pod_manifests(
+    plan: LaunchPlan, facts: CheckpointFacts | None, options: ServeOptions, kubernetes: ServeManifestOptions
+) -> list[dict[str, object]]:
+    """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host."""
+    tp = options.tensor_parallel_size
+    return serve_manifests(
+        plan.argv,
+        plan.env,
+        name=kubernetes.name or k8s_name(f"vllm-{options.model.rstrip('/').rsplit('/', 1)[-1]}"),
+        namespace=kubernetes.namespace,
+        image=kubernetes.image or DEFAULT_VLLM_IMAGE,
+        tensor_parallel_size=tp,
+        service_account=kubernetes.service_account,
+        accelerator=kubernetes.accelerator,
+        secret=kubernetes.secret,
+        startup_budget_s=startup_budget_seconds(facts.total_bytes if facts else 0),
+        memory_request_bytes=pod_memory_request(facts, plan, tp) if facts else None,
+        shm_bytes=pod_shm_bytes(tp),
+    )
 
 
 def _gibibytes(count: int) -> str:
-    return f"{max(1, math.ceil(count / 1024**3))}Gi"
+    return f"{max(1, math.ceil(count / GiB))}Gi"
 
 
-def serve_manifests(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    *,
-    name: str,
-    namespace: str,
-    image: str,
-    tensor_parallel_size: int,
-    service_account: str | None,
-    accelerator: str | None,
-    secret: str | None,
-    startup_budget_s: int,
-    memory_request_bytes: int | None,
-    shm_bytes: int,
-) -> list[dict[str, object]]:
-    """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
-    /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
-
-    UsageError when a secret would be written in clear text: a vLLM secret option however spelled
-    (`--api_key`, `--hf-tok=T`, see streamctl.serve.vllm_args) or a URL with credentials anywhere.
-    """
+def refuse_clear_text_secrets(argv: Sequence[str], env: Mapping[str, str]) -> None:
+    """UsageError when a secret would be written in clear text: a vLLM secret option however spelled
+    (`--api_key`, `--hf-tok=T`, see streamctl.serve.vllm_args) or a URL with credentials anywhere."""
     secrets = secret_values(argv[1:])
     if secrets:
         first = secrets[0]
@@ -211,7 +247,19 @@ def serve_manifests(
             hint=SECRET_HINT + " (vLLM reads VLLM_API_KEY for --api-key and HF_TOKEN for --hf-token)",
         )
     refuse_clear_text_credentials([list(argv), dict(env)])
-    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
+
+
+def _vllm_container(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    image: str,
+    tensor_parallel_size: int,
+    secret: str | None,
+    startup_budget_s: int,
+    memory_request_bytes: int | None,
+) -> dict[str, object]:
+    """The vLLM container: one GPU per TP rank, /dev/shm mounted, probes on /health."""
     gpus = str(tensor_parallel_size)
     resources: dict[str, object] = {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}}
     if memory_request_bytes:
@@ -237,6 +285,40 @@ def serve_manifests(
     }
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
+    return container
+
+
+def serve_manifests(
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    name: str,
+    namespace: str,
+    image: str,
+    tensor_parallel_size: int,
+    service_account: str | None,
+    accelerator: str | None,
+    secret: str | None,
+    startup_budget_s: int,
+    memory_request_bytes: int | None,
+    shm_bytes: int,
+) -> list[dict[str, object]]:
+    """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
+    /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
+
+    UsageError when a secret would be written in clear text (refuse_clear_text_secrets).
+    """
+    refuse_clear_text_secrets(argv, env)
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
+    container = _vllm_container(
+        argv,
+        env,
+        image=image,
+        tensor_parallel_size=tensor_parallel_size,
+        secret=secret,
+        startup_budget_s=startup_budget_s,
+        memory_request_bytes=memory_request_bytes,
+    )
     pod_spec: dict[str, object] = {
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gibibytes(shm_bytes)}}],
@@ -245,7 +327,7 @@ def serve_manifests(
         pod_spec["serviceAccountName"] = service_account
     if accelerator:
         pod_spec["nodeSelector"] = {"cloud.google.com/gke-accelerator": accelerator}
-    deployment = {
+    deployment: dict[str, object] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},
@@ -255,7 +337,7 @@ def serve_manifests(
             "template": {"metadata": {"labels": labels}, "spec": pod_spec},
         },
     }
-    service = {
+    service: dict[str, object] = {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": labels},

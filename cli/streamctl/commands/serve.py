@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -23,7 +21,8 @@ from streamctl.commands._options import (
 )
 
 if TYPE_CHECKING:
-    from streamctl.storage.base import Location
+    from streamctl.k8s import ServeManifestOptions
+    from streamctl.serve.run import ServeResult
 
 EXPERIMENTAL = "Experimental: DeepSeek V4.1 CPU Engram loading"
 
@@ -101,31 +100,13 @@ def command(
     Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s this process becomes vLLM.
     """
     apply_output_flags(json_output, quiet, debug)
-    from streamctl.errors import MissingProgramError, UsageError, VerificationFailed
-    from streamctl.k8s import DEFAULT_VLLM_IMAGE, k8s_name, serve_manifests, to_yaml_documents
-    from streamctl.serve.plan import (
-        CheckpointFacts,
-        EngramOptions,
-        ServeOptions,
-        cuda_available,
-        find_vllm,
-        host_memory_bytes,
-        normalize_model,
-        parse_memory_limit,
-        plan_launch,
-        pod_memory_request,
-        startup_budget_seconds,
-    )
-    from streamctl.storage import StorageOptions, open_location
-    from streamctl.verify.report import Expectation, VerifyOptions
-    from streamctl.verify.run import verify_checkpoint
-    from streamctl.words import plural
+    from streamctl.errors import PreflightFailed
+    from streamctl.k8s import ServeManifestOptions
+    from streamctl.serve.plan import EngramOptions, ServeOptions, normalize_model, parse_memory_limit
+    from streamctl.serve.run import prepare_launch
+    from streamctl.storage import StorageOptions
 
-    engram_options = EngramOptions(
-        cpu_weight_files=tuple(name.strip() for name in (cpu_weight_files or "").split(",") if name.strip()),
-        cpu_memory_limit=parse_memory_limit(cpu_memory_limit) if cpu_memory_limit else None,
-        engram_globs=tuple(engram or ()),
-    )
+    engram_options = EngramOptions.parse(cpu_weight_files, cpu_memory_limit, engram or ())
     options = ServeOptions(
         model=normalize_model(model),
         tensor_parallel_size=tensor_parallel_size,
@@ -134,152 +115,44 @@ def command(
         distributed=distributed,
         sharded=sharded,
         pattern=pattern,
-        endpoint_url=endpoint_url,
-        path_style=path_style,
-        azure_account=azure_account,
+        storage=StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account),
         engram=engram_options,
         vllm_args=tuple(vllm_args or ()),
+        preflight=preflight,
+        tune=tune,
     )
     options.validate()
     check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
     refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
     refuse_together(ctx, "k8s", "json_output", "--k8s prints the manifests as YAML")
     check_option_scope(ctx, [options.model])
-    if engram_options.enabled and not preflight:
-        raise UsageError(
-            "--cpu-weight-files needs the pre-flight: it checks that the index places the Engram tensors in those files",
-            hint="drop --no-preflight",
-        )
-    environ = dict(os.environ)
-    # The pre-flight reads what vLLM will: vLLM opens a local folder's links wherever they lead (a Hugging
-    # Face cache snapshot is all links), so they are followed here too; FIFOs and devices are still refused.
-    location = open_location(
-        options.model,
-        StorageOptions(
-            endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, follow_symlinks=True
-        ),
-    )
-    facts = None
-    report = None
-    is_sharded = _layout_without_preflight(location, sharded, pattern) if not preflight else False
-    if preflight:
-        expectations = tuple(Expectation(glob, engram_options.cpu_weight_files) for glob in engram_options.engram_globs)
-        with output.progress() as progress:
-            report = verify_checkpoint(
-                location,
-                VerifyOptions(
-                    sharded=sharded,
-                    pattern=pattern,
-                    expectations=expectations,
-                    tensor_parallel_size=tensor_parallel_size if sharded or pattern else None,
-                    for_streamer=True,
-                ),
-                progress,
-            )
-        if not report.ok:
-            output.render_verify_report(report, to_stderr=True)
-            raise VerificationFailed(
-                f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
-                hint="fix them (see the table above), or pass --no-preflight to launch anyway",
-                code="preflight-failed",
-                details=report.to_json(),  # the findings, as verify-index --json shows them
-            )
-        is_sharded = report.layout == "sharded"
-        facts = CheckpointFacts(
-            total_bytes=report.stats.total_bytes,
-            largest_tensor_bytes=report.stats.largest_tensor_bytes,
-            files=report.stats.files,
-            sharded_ranks=report.tensor_parallel_size if is_sharded else None,
-        )
-    # A manifest is about the pod, never this host: it requests one GPU per TP rank and its own memory.
-    target_cuda, target_memory = (True, None) if k8s else (cuda_available(environ), host_memory_bytes())
-    plan = plan_launch(
-        options,
-        facts,
-        sharded=is_sharded,
-        environ=environ,
-        cuda_available=target_cuda,
-        host_memory_bytes=target_memory,
-    )
-    tune_result = None
-    if tune:
-        from dataclasses import replace
-
-        from streamctl.serve.tune import tune_concurrency
-
-        shards = [info for info in location.list() if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)]
-        if not shards:
-            raise UsageError(f"--tune found no .safetensors under {location.url}")
-        with output.progress() as progress:
-            tune_result = tune_concurrency(location, shards, plan.env, progress=progress)
-        plan = plan_launch(
-            replace(options, concurrency=tune_result.best.concurrency),
-            facts,
-            sharded=is_sharded,
-            environ=environ,
-            cuda_available=target_cuda,
-            host_memory_bytes=target_memory,
-        )
-        if not output.settings.json:
-            output.render_tune_result(tune_result)
-
-    if k8s:
-        manifests = serve_manifests(
-            plan.argv,
-            plan.env,
-            name=name or k8s_name(f"vllm-{options.model.rstrip('/').rsplit('/', 1)[-1]}"),
-            namespace=namespace,
-            image=image or DEFAULT_VLLM_IMAGE,
-            tensor_parallel_size=tensor_parallel_size,
-            service_account=service_account,
-            accelerator=accelerator,
-            secret=secret,
-            startup_budget_s=startup_budget_seconds(facts.total_bytes if facts else 0),
-            memory_request_bytes=pod_memory_request(facts, plan, tensor_parallel_size) if facts else None,
-            shm_bytes=16 * 1024**3 if tensor_parallel_size > 1 else 2 * 1024**3,
-        )
-        for warning in plan.warnings:
-            output.warn(warning)
-        typer.echo(to_yaml_documents(manifests), nl=False)
-        return
-    if output.settings.json:
-        document = plan.to_json()
-        if tune_result is not None:
-            document["tune"] = tune_result.to_json()
-        output.print_json(document)
-        return
-    for warning in plan.warnings:
-        output.warn(warning)
-    if dry_run:
-        typer.echo(plan.shell_line())
-        return
-    executable = find_vllm(environ)
-    if executable is None:
-        raise MissingProgramError("vllm is not installed (no `vllm` on PATH)", hint="pip install 'streamctl[vllm]'")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # exec: vLLM takes over this process, so signals and the exit code are vLLM's own.
-    os.execve(executable, [executable, *plan.argv[1:]], {**environ, **plan.env})
-
-
-def _layout_without_preflight(location: Location, sharded: Optional[bool], pattern: Optional[str]) -> bool:
-    """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
-    --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
-    from streamctl.errors import StreamctlError
-    from streamctl.verify.report import VerifyOptions
-    from streamctl.verify.run import detect_layout
-
-    if sharded is not None:
-        return sharded
-    if pattern is not None:
-        return True
     try:
-        return detect_layout(location, VerifyOptions()) == "sharded"
-    except StreamctlError as error:
-        error.hint = "pass --sharded or --not-sharded to launch without listing the checkpoint" + (
-            f" ({error.hint})" if error.hint else ""
-        )
+        with output.progress() as progress:
+            result = prepare_launch(options, for_kubernetes=k8s, progress=progress)
+    except PreflightFailed as failure:
+        output.render_verify_report(failure.report, to_stderr=True)
         raise
+    kubernetes = ServeManifestOptions(namespace, name, image, service_account, accelerator, secret) if k8s else None
+    _show(result, kubernetes, dry_run)
+
+
+def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run: bool) -> None:
+    """Print the checked launch (tune table, warnings, then YAML, JSON or the command line), or become vLLM."""
+    from streamctl.serve.run import exec_vllm
+
+    if result.tune is not None and not output.settings.json:
+        output.render_tune_result(result.tune)
+    manifests = result.kubernetes_yaml(kubernetes) if kubernetes is not None else None
+    for warning in result.plan.warnings:
+        output.warn(warning)  # silent with --json: the document lists them
+    if manifests is not None:
+        typer.echo(manifests, nl=False)
+    elif output.settings.json:
+        output.print_json(result.to_json())
+    elif dry_run:
+        typer.echo(result.plan.shell_line())
+    else:
+        exec_vllm(result)
 
 
 # The last section of `streamctl serve --help` (each command line fits 80 columns).

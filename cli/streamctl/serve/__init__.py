@@ -1,2 +1,3 @@
-"""`streamctl serve` as a library: the launch plan and pre-flight (plan.py), vLLM's option table
-(vllm_args.py), and the streamer concurrency probe (tune.py, run in a subprocess by streamer_probe.py)."""
+"""`streamctl serve` as a library: run.py (the whole launch but the printing, and the exec into vLLM), the
+pre-flight (preflight.py), the launch plan (plan.py), vLLM's option table (vllm_args.py), and the streamer
+concurrency probe (tune.py, measuring in subprocesses that run streamer_probe.py)."""

@@ -1,7 +1,7 @@
-"""Plan a `vllm serve` launch with the Run:ai Model Streamer: arguments, environment, sizing, pre-flight.
+"""Plan a `vllm serve` launch with the Run:ai Model Streamer: arguments, environment, sizing.
 
-Pure planning: `plan_launch` turns options plus what the pre-flight learned into a `LaunchPlan` (argv, the
-environment streamctl adds, warnings). The command layer prints it or replaces itself with vLLM (exec).
+Pure planning: `plan_launch` turns options plus what the pre-flight (serve/preflight.py) learned into a
+`LaunchPlan` (argv, the environment streamctl adds, warnings); serve/run.py prints it or becomes vLLM.
 vLLM 0.33 validates `--model-loader-extra-config` strictly while older versions silently ignore bad keys
 or types, so everything is validated here first, either way.
 """
@@ -9,19 +9,18 @@ or types, so everything is validated here first, either way.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import shlex
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from streamctl.errors import UsageError
 from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
-from streamctl.checkpoint.sharded_names import default_pattern
 from streamctl.sizes import parse_size
+from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
 from streamctl.serve.vllm_args import masked_arguments, takes
 
@@ -80,6 +79,17 @@ class EngramOptions:
     cpu_memory_limit: int | None = None
     engram_globs: tuple[str, ...] = ()
 
+    @classmethod
+    def parse(
+        cls, cpu_weight_files: str | None, cpu_memory_limit: str | None, engram_globs: Sequence[str]
+    ) -> EngramOptions:
+        """From the command line: `F1,F2` (blanks dropped), a size, the globs."""
+        return cls(
+            cpu_weight_files=tuple(name.strip() for name in (cpu_weight_files or "").split(",") if name.strip()),
+            cpu_memory_limit=parse_memory_limit(cpu_memory_limit) if cpu_memory_limit else None,
+            engram_globs=tuple(engram_globs),
+        )
+
     @property
     def enabled(self) -> bool:
         return bool(self.cpu_weight_files)
@@ -98,20 +108,23 @@ class EngramOptions:
 
 @dataclass(frozen=True)
 class ServeOptions:
+    """What `streamctl serve` was asked for; `storage` as the user gave it (serve/run.py follows links)."""
+
     model: str
     tensor_parallel_size: int = 1
     concurrency: int | None = None
-    memory_limit: int | None = None
+    memory_limit: int | None = None  # bytes, UNLIMITED or LARGEST_TENSOR
     distributed: bool | None = None
     sharded: bool | None = None
     pattern: str | None = None
-    endpoint_url: str | None = None
-    path_style: bool | None = None
-    azure_account: str | None = None
+    storage: StorageOptions = field(default_factory=StorageOptions)
     engram: EngramOptions = field(default_factory=EngramOptions)
     vllm_args: tuple[str, ...] = ()
+    preflight: bool = True
+    tune: bool = False
 
     def validate(self) -> None:
+        """UsageError for what no checkpoint could make right (sizes, flags vLLM must not get after --)."""
         check_parallel_sizes(self.tensor_parallel_size, None)
         if self.concurrency is not None:
             check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
@@ -141,12 +154,16 @@ class CheckpointFacts:
 
 @dataclass(frozen=True)
 class LaunchPlan:
+    """One `vllm serve` launch: what to run, and the parsed values that sized it."""
+
     argv: tuple[str, ...]
     env: Mapping[str, str]  # the variables streamctl adds or changes; the rest of the environment passes through
     load_format: str
     extra_config: Mapping[str, object]
     warnings: tuple[str, ...]
     experimental: bool = False
+    memory_limit: int | None = None  # the streamer's staging limit as asked (in extra_config or env as text)
+    distributed: bool = False  # one streamer reads and broadcasts to the TP workers (else each stages its own)
 
     def masked_argv(self) -> list[str]:
         """argv for display: secret vLLM options however spelled, and URL credentials, masked."""
@@ -185,15 +202,16 @@ def _storage_env(
 ) -> dict[str, str]:
     """The variables the streamer needs for this store; user values are kept unless an option says otherwise."""
     wanted: dict[str, tuple[str, bool]] = {}  # name -> (value, explicitly asked for)
+    storage = options.storage
     if parsed.scheme == "s3":
-        endpoint = options.endpoint_url or environ.get("AWS_ENDPOINT_URL")
+        endpoint = storage.endpoint_url or environ.get("AWS_ENDPOINT_URL")
         if endpoint:  # S3-compatible store; on AWS itself none of these apply (metadata-off breaks IRSA)
-            wanted["AWS_ENDPOINT_URL"] = (endpoint, options.endpoint_url is not None)
-            path_style = options.path_style if options.path_style is not None else True
-            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if path_style else "1", options.path_style is not None)
+            wanted["AWS_ENDPOINT_URL"] = (endpoint, storage.endpoint_url is not None)
+            path_style = storage.path_style if storage.path_style is not None else True
+            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if path_style else "1", storage.path_style is not None)
             wanted["AWS_EC2_METADATA_DISABLED"] = ("true", False)
-        elif options.path_style is not None:
-            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if options.path_style else "1", True)
+        elif storage.path_style is not None:
+            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if storage.path_style else "1", True)
     elif parsed.scheme == "gs":
         emulator = environ.get("STORAGE_EMULATOR_HOST")
         if emulator:  # the streamer's native GCS client reads only this name; with the other it hangs
@@ -204,7 +222,7 @@ def _storage_env(
         )
         account = (
             parsed.account
-            or options.azure_account
+            or storage.azure_account
             or environ.get("AZURE_STORAGE_ACCOUNT_NAME")
             or connection.get("AccountName")
         )
@@ -213,7 +231,7 @@ def _storage_env(
                 f"no Azure storage account for {options.model}",
                 hint="pass --azure-account, set AZURE_STORAGE_ACCOUNT_NAME, or use https://ACCOUNT.blob.core.windows.net/...",
             )
-        wanted["AZURE_STORAGE_ACCOUNT_NAME"] = (account, parsed.account is not None or options.azure_account is not None)
+        wanted["AZURE_STORAGE_ACCOUNT_NAME"] = (account, parsed.account is not None or storage.azure_account is not None)
     env: dict[str, str] = {}
     for name, (value, explicit) in wanted.items():
         current = environ.get(name)
@@ -243,88 +261,128 @@ def plan_launch(
     parsed = parse_url(model)
     warnings: list[str] = []
     env = _storage_env(parsed, options, environ, warnings)
-    tp = options.tensor_parallel_size
     concurrency = options.concurrency or (
         DEFAULT_CONCURRENCY_OBJECT_STORE if parsed.is_remote else DEFAULT_CONCURRENCY_LOCAL
     )
-    memory_limit = options.memory_limit
+    distributed = _distributed_streaming(options, cuda_available, warnings)
+    _check_memory_limit(options, facts, distributed, host_memory_bytes, warnings)
+    if sharded:
+        load_format = LOAD_FORMAT_SHARDED
+        extra_config = _sharded_loader_config(options, facts, parsed, concurrency, env, warnings)
+    else:
+        load_format = LOAD_FORMAT
+        extra_config = _streamer_loader_config(options, concurrency, distributed)
+    experimental = options.engram.enabled
+    if experimental:
+        env.update(_engram_env(options.engram))
+        warnings.append("EXPERIMENTAL: DeepSeek V4.1 CPU Engram loading needs vLLM's experimental patch")
+    tp = str(options.tensor_parallel_size)
+    argv = [executable, "serve", model, "--load-format", load_format, "--tensor-parallel-size", tp]
+    if extra_config:
+        argv += ["--model-loader-extra-config", json.dumps(extra_config, separators=(",", ":"))]
+    argv += list(options.vllm_args)
+    return LaunchPlan(
+        tuple(argv),
+        env,
+        load_format,
+        extra_config,
+        tuple(warnings),
+        experimental,
+        memory_limit=options.memory_limit,
+        distributed=bool(distributed) and not sharded,  # the sharded loader has no distributed mode
+    )
 
-    distributed = options.distributed
-    if distributed is None:
-        distributed = tp > 1 and cuda_available  # the GCS guide's advice; CUDA/ROCm only
+
+def _distributed_streaming(options: ServeOptions, cuda_available: bool, warnings: list[str]) -> bool:
+    """Whether the streamer streams once and broadcasts to the TP workers: as asked, else on with TP > 1 and CUDA."""
+    tp = options.tensor_parallel_size
+    if options.distributed is None:
         if tp > 1 and not cuda_available:
             warnings.append("no CUDA device found: distributed streaming stays off (it needs CUDA or ROCm)")
-    elif distributed and not cuda_available:
+        return tp > 1 and cuda_available  # the GCS guide's advice; CUDA/ROCm only
+    if options.distributed and not cuda_available:
         warnings.append("--distributed asked for, but no CUDA device was found here; vLLM will refuse it on CPU")
+    return options.distributed
 
-    if facts is not None and memory_limit not in (None, UNLIMITED, LARGEST_TENSOR):
-        assert memory_limit is not None
+
+def _check_memory_limit(
+    options: ServeOptions,
+    facts: CheckpointFacts | None,
+    distributed: bool,
+    host_memory_bytes: int | None,
+    warnings: list[str],
+) -> None:
+    """UsageError for a limit below the largest tensor; a warning when the TP workers' staging outgrows the host."""
+    memory_limit = options.memory_limit
+    if facts is not None and memory_limit is not None and memory_limit not in (UNLIMITED, LARGEST_TENSOR):
         if memory_limit < facts.largest_tensor_bytes:
             raise UsageError(
                 f"--memory-limit {memory_limit:,} bytes is below the largest tensor ({facts.largest_tensor_bytes:,} bytes)",
                 hint=f"use at least {facts.largest_tensor_bytes:,}, or 0 (= the largest tensor), or -1 (unlimited)",
             )
-    if host_memory_bytes and not distributed:
-        # Without distributed streaming every TP worker stages its own copy (run-ai#76: OOM-killed pods).
-        staged = staging_bytes(facts, memory_limit) if facts is not None else (
-            memory_limit if memory_limit is not None and memory_limit > 0 else None
+    if not host_memory_bytes or distributed:
+        return
+    # Without distributed streaming every TP worker stages its own copy (run-ai#76: OOM-killed pods).
+    tp = options.tensor_parallel_size
+    staged = staging_bytes(facts, memory_limit) if facts is not None else (
+        memory_limit if memory_limit is not None and memory_limit > 0 else None
+    )
+    if staged is not None and tp * staged > host_memory_bytes:
+        warnings.append(
+            f"{tp} workers x {staged:,} bytes of staging = {tp * staged:,} bytes, more than this host's "
+            f"{host_memory_bytes:,} bytes of RAM: lower --memory-limit or use --distributed"
         )
-        if staged is not None and tp * staged > host_memory_bytes:
-            warnings.append(
-                f"{tp} workers x {staged:,} bytes of staging = {tp * staged:,} bytes, more than this host's "
-                f"{host_memory_bytes:,} bytes of RAM: lower --memory-limit or use --distributed"
-            )
 
-    if sharded:
-        load_format = LOAD_FORMAT_SHARDED
-        pattern = options.pattern or default_pattern(1)
-        # vLLM rejects every key but `pattern` here (vllm#30100): tuning goes through the environment.
-        extra_config: dict[str, object] = {"pattern": pattern} if options.pattern else {}
-        env["RUNAI_STREAMER_CONCURRENCY"] = str(concurrency)
-        if memory_limit is not None:
-            env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(memory_limit)
-        if options.distributed:
-            warnings.append("the sharded loader has no distributed mode; --distributed is ignored")
-        if parsed.scheme in ("gs", "az"):
-            warnings.append(
-                f"vLLM 0.33 lists sharded files in buckets only for s3:// ({parsed.scheme}:// finds none, vllm#38568)"
-            )
-        if facts is not None and facts.sharded_ranks is not None and facts.sharded_ranks != tp:
-            raise UsageError(
-                f"the sharded checkpoint has {facts.sharded_ranks} ranks but --tensor-parallel-size is {tp}",
-                hint=f"pass --tensor-parallel-size {facts.sharded_ranks}, or re-shard with streamctl shard",
-            )
-    else:
-        load_format = LOAD_FORMAT
-        if options.pattern:
-            raise UsageError("--pattern applies to sharded checkpoints only")
-        extra_config = {"concurrency": concurrency}
-        if memory_limit is not None:
-            extra_config["memory_limit"] = memory_limit
-        if distributed or options.distributed is not None:
-            extra_config["distributed"] = bool(distributed)
 
-    experimental = options.engram.enabled
-    if experimental:
-        assert options.engram.cpu_memory_limit is not None
-        env.update(EXPERIMENTAL_ENGRAM_ENV)
-        env["VLLM_RUNAI_CPU_WEIGHT_FILES"] = ",".join(options.engram.cpu_weight_files)
-        env["VLLM_RUNAI_CPU_MEMORY_LIMIT"] = str(options.engram.cpu_memory_limit)
-        warnings.append("EXPERIMENTAL: DeepSeek V4.1 CPU Engram loading needs vLLM's experimental patch")
+def _sharded_loader_config(
+    options: ServeOptions,
+    facts: CheckpointFacts | None,
+    parsed: ParsedURL,
+    concurrency: int,
+    env: dict[str, str],
+    warnings: list[str],
+) -> dict[str, object]:
+    """`runai_streamer_sharded`'s extra config; its tuning goes into `env`, the only way vLLM lets it through."""
+    tp = options.tensor_parallel_size
+    # vLLM rejects every key but `pattern` here (vllm#30100): tuning goes through the environment.
+    extra_config: dict[str, object] = {"pattern": options.pattern} if options.pattern else {}
+    env["RUNAI_STREAMER_CONCURRENCY"] = str(concurrency)
+    if options.memory_limit is not None:
+        env["RUNAI_STREAMER_MEMORY_LIMIT"] = str(options.memory_limit)
+    if options.distributed:
+        warnings.append("the sharded loader has no distributed mode; --distributed is ignored")
+    if parsed.scheme in ("gs", "az"):
+        warnings.append(
+            f"vLLM 0.33 lists sharded files in buckets only for s3:// ({parsed.scheme}:// finds none, vllm#38568)"
+        )
+    if facts is not None and facts.sharded_ranks is not None and facts.sharded_ranks != tp:
+        raise UsageError(
+            f"the sharded checkpoint has {facts.sharded_ranks} ranks but --tensor-parallel-size is {tp}",
+            hint=f"pass --tensor-parallel-size {facts.sharded_ranks}, or re-shard with streamctl shard",
+        )
+    return extra_config
 
-    argv = [
-        executable,
-        "serve",
-        model,
-        "--load-format",
-        load_format,
-        "--tensor-parallel-size",
-        str(tp),
-    ]
-    if extra_config:
-        argv += ["--model-loader-extra-config", json.dumps(extra_config, separators=(",", ":"))]
-    argv += list(options.vllm_args)
-    return LaunchPlan(tuple(argv), env, load_format, extra_config, tuple(warnings), experimental)
+
+def _streamer_loader_config(options: ServeOptions, concurrency: int, distributed: bool) -> dict[str, object]:
+    """`runai_streamer`'s extra config: vLLM passes these keys to the streamer."""
+    if options.pattern:
+        raise UsageError("--pattern applies to sharded checkpoints only")
+    extra_config: dict[str, object] = {"concurrency": concurrency}
+    if options.memory_limit is not None:
+        extra_config["memory_limit"] = options.memory_limit
+    if distributed or options.distributed is not None:
+        extra_config["distributed"] = bool(distributed)
+    return extra_config
+
+
+def _engram_env(engram: EngramOptions) -> dict[str, str]:
+    """The experimental recipe's variables (read by vLLM's patch, not by the streamer)."""
+    assert engram.cpu_memory_limit is not None  # EngramOptions.validate
+    return {
+        **EXPERIMENTAL_ENGRAM_ENV,
+        "VLLM_RUNAI_CPU_WEIGHT_FILES": ",".join(engram.cpu_weight_files),
+        "VLLM_RUNAI_CPU_MEMORY_LIMIT": str(engram.cpu_memory_limit),
+    }
 
 
 def host_memory_bytes() -> int | None:
@@ -350,11 +408,6 @@ def find_vllm(environ: Mapping[str, str]) -> str | None:
     return shutil.which("vllm", path=environ.get("PATH"))
 
 
-def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
-    """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
-    return int(math.ceil(total_bytes / worst_case_bytes_per_second)) + 600
-
-
 def staging_bytes(facts: CheckpointFacts, memory_limit: int | None) -> int:
     """CPU bytes one streamer stages at most: its limit, bounded by the checkpoint itself."""
     if memory_limit == LARGEST_TENSOR:
@@ -364,12 +417,3 @@ def staging_bytes(facts: CheckpointFacts, memory_limit: int | None) -> int:
     if memory_limit == UNLIMITED:
         return facts.total_bytes
     return min(memory_limit, facts.total_bytes)
-
-
-def pod_memory_request(facts: CheckpointFacts, plan: LaunchPlan, tensor_parallel_size: int) -> int:
-    """Host memory a serving pod needs: staging per streaming worker plus vLLM's own working set."""
-    limit = plan.extra_config.get("memory_limit")
-    if limit is None and "RUNAI_STREAMER_MEMORY_LIMIT" in plan.env:
-        limit = int(plan.env["RUNAI_STREAMER_MEMORY_LIMIT"])
-    workers = 1 if plan.extra_config.get("distributed") else tensor_parallel_size
-    return workers * staging_bytes(facts, limit if isinstance(limit, int) else None) + 8 * 1024**3

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from streamctl.errors import MissingProgramError, RemoteError
+from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.storage.base import Location, ObjectInfo
 
@@ -95,6 +95,18 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
             )
     result = json.loads(completed.stdout)
     return TuneSample(concurrency, int(result["bytes"]), float(result["seconds"]))
+
+
+def top_level_shards(location: Location) -> list[ObjectInfo]:
+    """The .safetensors files directly under `location` (what vLLM's loader reads); UsageError if none."""
+    shards = [
+        info
+        for info in location.list()
+        if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)
+    ]
+    if not shards:
+        raise UsageError(f"--tune found no .safetensors under {location.url}")
+    return shards
 
 
 def tune_concurrency(

@@ -25,16 +25,20 @@ from streamctl.serve.plan import (
     parse_memory_limit,
     plan_launch,
 )
-from streamctl.storage import open_location
+from streamctl.storage import StorageOptions, open_location
 
 GiB = 1024**3
 FACTS = CheckpointFacts(total_bytes=16 * GiB, largest_tensor_bytes=1 * GiB, files=4)
 
 
+STORAGE_FIELDS = ("endpoint_url", "path_style", "azure_account")
+
+
 def plan(model: str, environ: dict[str, str] | None = None, *, sharded: bool = False, cuda: bool = True,
          facts: CheckpointFacts | None = FACTS, ram: int | None = 512 * GiB, **options: Any):
-    return plan_launch(ServeOptions(model=model, **options), facts, sharded=sharded, environ=environ or {},
-                       cuda_available=cuda, host_memory_bytes=ram)
+    storage = StorageOptions(**{name: options.pop(name) for name in STORAGE_FIELDS if name in options})
+    return plan_launch(ServeOptions(model=model, storage=storage, **options), facts, sharded=sharded,
+                       environ=environ or {}, cuda_available=cuda, host_memory_bytes=ram)
 
 
 # ------------------------------------------------------------------------------------------ golden launches

@@ -1,0 +1,71 @@
+"""`serve`'s pre-flight: one header pass over the checkpoint (verify-index's checks, as the streamer reads
+them) before any GPU spins, and the layout rule when the pre-flight is off (one listing)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamctl.errors import PreflightFailed, StreamctlError
+from streamctl.progress import Progress
+from streamctl.serve.plan import CheckpointFacts, ServeOptions
+from streamctl.storage.base import Location
+from streamctl.verify.report import Expectation, VerifyOptions
+from streamctl.verify.run import detect_layout, verify_checkpoint
+from streamctl.words import plural
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What the launch plan needs from the checkpoint: its layout, and its sizes when headers were read."""
+
+    sharded: bool
+    facts: CheckpointFacts | None  # None without the pre-flight
+
+
+def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
+    """The pre-flight when `options.preflight`, else the layout alone. PreflightFailed (exit 1) on errors."""
+    if not options.preflight:
+        return Preflight(sharded=layout_without_preflight(location, options), facts=None)
+    engram = options.engram
+    report = verify_checkpoint(
+        location,
+        VerifyOptions(
+            sharded=options.sharded,
+            pattern=options.pattern,
+            expectations=tuple(Expectation(glob, engram.cpu_weight_files) for glob in engram.engram_globs),
+            tensor_parallel_size=options.tensor_parallel_size if options.sharded or options.pattern else None,
+            for_streamer=True,
+        ),
+        progress,
+    )
+    if not report.ok:
+        raise PreflightFailed(
+            f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
+            hint="fix them (see the table above), or pass --no-preflight to launch anyway",
+            report=report,
+            details=report.to_json(),  # the findings, as verify-index --json shows them
+        )
+    sharded = report.layout == "sharded"
+    facts = CheckpointFacts(
+        total_bytes=report.stats.total_bytes,
+        largest_tensor_bytes=report.stats.largest_tensor_bytes,
+        files=report.stats.files,
+        sharded_ranks=report.tensor_parallel_size if sharded else None,
+    )
+    return Preflight(sharded=sharded, facts=facts)
+
+
+def layout_without_preflight(location: Location, options: ServeOptions) -> bool:
+    """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
+    --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
+    if options.sharded is not None:
+        return options.sharded
+    if options.pattern is not None:
+        return True
+    try:
+        return detect_layout(location, VerifyOptions()) == "sharded"
+    except StreamctlError as error:
+        error.hint = "pass --sharded or --not-sharded to launch without listing the checkpoint" + (
+            f" ({error.hint})" if error.hint else ""
+        )
+        raise

@@ -1,0 +1,100 @@
+"""`streamctl serve` end to end, all but the printing: the pre-flight, the launch plan, `--tune`, the
+Kubernetes manifests, and the exec that hands this process over to vLLM."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import NoReturn
+
+from streamctl.errors import MissingProgramError, UsageError
+from streamctl.k8s import ServeManifestOptions, serve_pod_manifests, to_yaml_documents
+from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.serve.plan import (
+    CheckpointFacts,
+    LaunchPlan,
+    ServeOptions,
+    cuda_available,
+    find_vllm,
+    host_memory_bytes,
+    plan_launch,
+)
+from streamctl.serve.preflight import check_checkpoint
+from streamctl.serve.tune import TuneResult, top_level_shards, tune_concurrency
+from streamctl.storage import open_location
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """A checked launch: what `--dry-run`, `--json` and `--k8s` print, and what `exec_vllm` runs."""
+
+    options: ServeOptions
+    plan: LaunchPlan
+    facts: CheckpointFacts | None  # None without the pre-flight
+    tune: TuneResult | None  # with --tune: the measurements; `plan` uses the best concurrency
+    environ: Mapping[str, str] = field(repr=False)  # the environment vLLM inherits (plan.env goes on top)
+
+    def to_json(self) -> dict[str, object]:
+        """`serve --json`'s document: the plan, secrets masked, and the measurements with --tune."""
+        document = self.plan.to_json()
+        if self.tune is not None:
+            document["tune"] = self.tune.to_json()
+        return document
+
+    def kubernetes_yaml(self, kubernetes: ServeManifestOptions) -> str:
+        """`serve --k8s`'s YAML; UsageError when it would hold a secret in clear text."""
+        return to_yaml_documents(serve_pod_manifests(self.plan, self.facts, self.options, kubernetes))
+
+
+def prepare_launch(
+    options: ServeOptions,
+    *,
+    for_kubernetes: bool = False,
+    progress: Progress = NULL_PROGRESS,
+    environ: Mapping[str, str] | None = None,
+) -> ServeResult:
+    """Check the checkpoint (unless options.preflight is off), plan the launch, measure with options.tune.
+
+    For a manifest the plan is about the pod, never this host: it has one GPU per TP rank and its own memory.
+    """
+    options.validate()
+    if options.engram.enabled and not options.preflight:
+        raise UsageError(
+            "--cpu-weight-files needs the pre-flight: it checks that the index places the Engram tensors in those files",
+            hint="drop --no-preflight",
+        )
+    environ = dict(os.environ if environ is None else environ)
+    # The pre-flight reads what vLLM will: vLLM opens a local folder's links wherever they lead (a Hugging
+    # Face cache snapshot is all links), so they are followed here too; FIFOs and devices are still refused.
+    location = open_location(options.model, replace(options.storage, follow_symlinks=True))
+    checked = check_checkpoint(location, options, progress)
+    target_cuda, target_memory = (True, None) if for_kubernetes else (cuda_available(environ), host_memory_bytes())
+
+    def plan_for(chosen: ServeOptions) -> LaunchPlan:
+        return plan_launch(
+            chosen,
+            checked.facts,
+            sharded=checked.sharded,
+            environ=environ,
+            cuda_available=target_cuda,
+            host_memory_bytes=target_memory,
+        )
+
+    plan = plan_for(options)
+    tune_result = None
+    if options.tune:
+        tune_result = tune_concurrency(location, top_level_shards(location), plan.env, progress=progress)
+        plan = plan_for(replace(options, concurrency=tune_result.best.concurrency))
+    return ServeResult(options, plan, checked.facts, tune_result, environ)
+
+
+def exec_vllm(result: ServeResult) -> NoReturn:
+    """Replace this process with `vllm serve`: signals and the exit code are then vLLM's own."""
+    executable = find_vllm(result.environ)
+    if executable is None:
+        raise MissingProgramError("vllm is not installed (no `vllm` on PATH)", hint="pip install 'streamctl[vllm]'")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(executable, [executable, *result.plan.argv[1:]], {**result.environ, **result.plan.env})
