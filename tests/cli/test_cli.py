@@ -10,7 +10,7 @@ import pytest
 
 from cli_helpers import run_cli
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HEAVY_MODULES = ("boto3", "botocore", "google", "azure", "huggingface_hub", "numpy", "torch")
 
 
