@@ -8,9 +8,6 @@ from streamctl.errors import UsageError
 from streamctl.storage import ParsedURL, parse_url
 
 
-# -- URL parsing ------------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize(
     ("url", "expected"),
     [
