@@ -74,6 +74,11 @@ for _name, _module in (("transfer", transfer), ("verify-index", verify_index), (
     )(_module.command)
 
 
+def command_group() -> object:
+    """The Click command tree behind `app`: streamctl.completions renders the shell completions from it."""
+    return typer.main.get_command(app)
+
+
 def _json_requested(arguments: list[str]) -> bool:
     """`--json` among streamctl's own arguments (those after `--` belong to vLLM)."""
     own = arguments[: arguments.index("--")] if "--" in arguments else arguments

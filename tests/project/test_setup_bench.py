@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 # Every script whose docstring states targets; helpers (servers, the link simulator) have none.
 SCRIPTS_WITH_TARGETS = sorted(
     path.name
