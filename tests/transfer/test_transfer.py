@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import run_cli
+from slowproxy import SlowProxy
 from streamctl.errors import IntegrityError, NotFoundError, UsageError
 from streamctl.checkpoint.files import MANIFEST_NAME, select_files
 from streamctl.retry import RetryPolicy
@@ -379,17 +380,21 @@ def test_interrupt_aborts_open_multipart_uploads(fake_hub: Any, s3_root: str, st
     fake_hub.add_repo("org/intr", {"model.safetensors": big, "config.json": b"{}"})
     bucket = s3_root.split("/")[2]
     client = boto3.client("s3")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamctl", "transfer", "org/intr", s3_root, "-j", "1", "--part-size", "5MiB",
-         "--max-buffer", "5MiB"],
-        env={**os.environ, **storage_env},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    _wait_for(lambda: client.list_multipart_uploads(Bucket=bucket).get("Uploads"))
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    port = int(storage_env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    # Parts go up at 1 MiB/s, so the 40 MiB cannot finish before the Ctrl-C however loaded the machine is.
+    part_upload = lambda method, path: method == "PUT" and "partNumber=" in path  # noqa: E731
+    with SlowProxy(port, part_upload, "steady", rate_bps=MiB) as proxy:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "streamctl", "transfer", "org/intr", s3_root, "-j", "1", "--part-size", "5MiB",
+             "--max-buffer", "5MiB"],
+            env={**os.environ, **storage_env, "AWS_ENDPOINT_URL": proxy.url},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        _wait_for(lambda: client.list_multipart_uploads(Bucket=bucket).get("Uploads"))
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr
     assert "Traceback" not in stderr
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
