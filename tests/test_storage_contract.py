@@ -795,7 +795,7 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
 ) -> None:
     """Credentials that may write objects but not list multipart uploads (a common least-privilege
     policy) are enough for a run: the clean-up of earlier runs' uploads is skipped with a note, not fatal."""
-    from streamctl.transfer import discard_unfinished_uploads
+    from streamctl.uploads import discard_unfinished_uploads
     from test_verify import RecordingProgress
 
     server = storage_servers.s3()

@@ -32,7 +32,7 @@ from streamctl.checkpoint.safetensors import TensorData, parse_safetensors_bytes
 
 SAFETENSORS_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
-_COMMON: dict[str, Any] = {
+COMMON_FIELDS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 3,
@@ -47,7 +47,7 @@ _COMMON: dict[str, Any] = {
     "use_cache": True,
     "tie_word_embeddings": False,
 }
-_LLAMA: dict[str, Any] = {
+LLAMA_FIELDS: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "attention_bias": False,
@@ -57,17 +57,17 @@ _LLAMA: dict[str, Any] = {
     "rope_scaling": None,
 }
 KINDS: dict[str, dict[str, Any]] = {
-    "llama-gqa": {**_COMMON, **_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2},
+    "llama-gqa": {**COMMON_FIELDS, **LLAMA_FIELDS, "num_attention_heads": 8, "num_key_value_heads": 2},
     "llama-tied": {
-        **_COMMON,
-        **_LLAMA,
+        **COMMON_FIELDS,
+        **LLAMA_FIELDS,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "tie_word_embeddings": True,
     },
-    "llama-head-dim": {**_COMMON, **_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    "llama-head-dim": {**COMMON_FIELDS, **LLAMA_FIELDS, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     "qwen2": {
-        **_COMMON,
+        **COMMON_FIELDS,
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "num_attention_heads": 4,
@@ -79,7 +79,7 @@ KINDS: dict[str, dict[str, Any]] = {
         "rope_scaling": None,
     },
     "mistral": {
-        **_COMMON,
+        **COMMON_FIELDS,
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
         "num_attention_heads": 8,

@@ -39,6 +39,7 @@ from streamctl.storage.base import (
     unsafe_path_reason,
     TEMPORARY_FOLDER,
     ObjectInfo,
+    PositionalWrite,
     ListingNote,
     StorageOptions,
     TemporaryName,
@@ -292,6 +293,9 @@ class LocalMultipartUpload:
             start_writeback(fd, start, offset - start)
         except OSError as error:
             raise _map_os_error(error, self.final_path) from None
+
+    def positional_writer(self) -> PositionalWrite:
+        return self.write_at
 
     def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         if metadata:
