@@ -65,7 +65,6 @@ def _read_written_headers(
 ) -> dict[tuple[int, int], dict[str, _WrittenTensor]]:
     """(pp_rank, tp_rank) -> tensor name -> where DEST's files hold it, from the headers of every file
     that fits the pattern (what vLLM would load), not from the plan."""
-
     by_rank: dict[tuple[int, int], dict[str, _WrittenTensor]] = {}
     for info in dest.list():
         name = dest.relative(info.key)

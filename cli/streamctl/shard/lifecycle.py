@@ -85,7 +85,6 @@ def record_result(dest: Location, result: ShardResult, lease: Lease) -> ShardRes
 
 def is_shard_output(pattern: str, serving_files: Sequence[tuple[str, int]], name: str) -> bool:
     """Whether `name` (relative to DEST) is a file `shard` writes there: rank files, serving files, manifest."""
-
     return (
         name == SHARD_MANIFEST_NAME
         or any(name == path for path, _ in serving_files)

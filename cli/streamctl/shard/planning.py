@@ -350,15 +350,10 @@ def _check_source_shapes(
         raise refuse(f"2 dimensions with the second divisible by TP {tp}")
 
 
-def plan_shard(source: Location, dest: Location, options: ShardOptions, source_id: str | None = None) -> ShardPlan:
-    """Read config.json and the source headers, check every constraint, and lay out every output file.
-
-    Reads only small objects and headers; writes nothing.
-    """
-    options.validate()
+def _checked_pattern(options: ShardOptions, row: LayoutRow, version: str | None) -> str:
+    """The file name pattern (vLLM's default for the PP size unless given), checked against what the
+    layout row's vLLM fills in and saves."""
     tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
-    version = options.vllm_version if options.vllm_version is not None else installed_vllm_version()
-    row = layout_row(version)
     if pp > 1 and not row.pipeline_parallel:
         raise UsageError(f"vLLM {version} ({row.label}) saves sharded state without pipeline parallelism; use PP 1")
     pattern = options.pattern or default_pattern(pp)
@@ -369,6 +364,19 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
             hint="that vLLM fills in " + ", ".join(f"{{{name}}}" for name in sorted(row.pattern_fields)),
         )
     validate_pattern(pattern, tp, pp)
+    return pattern
+
+
+def plan_shard(source: Location, dest: Location, options: ShardOptions, source_id: str | None = None) -> ShardPlan:
+    """Read config.json and the source headers, check every constraint, and lay out every output file.
+
+    Reads only small objects and headers; writes nothing.
+    """
+    options.validate()
+    tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+    version = options.vllm_version if options.vllm_version is not None else installed_vllm_version()
+    row = layout_row(version)
+    pattern = _checked_pattern(options, row, version)
     check_disjoint(source, dest)
 
     listing = list_source(source)

@@ -102,7 +102,7 @@ def _shard_with_vllm_leased(
     source_id: str | None,
     runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None,
     started: float,
-    version: str,
+    version: str | None,
     pattern: str,
     serving: tuple[tuple[str, int], ...],
     config: dict[str, Any],
@@ -171,7 +171,6 @@ def _copy_saved_files(
     vLLM 0.33 writes an empty part file when a rank's first tensor exceeds max_size, and the Run:ai
     streamer fails on such a file: empty parts are left out and the rank's parts renumbered from 0.
     """
-
     ranks: dict[tuple[int, int], list[tuple[int, ObjectInfo, ParsedHeader]]] = {}
     for info in saved.list():
         parsed = parse_sharded_name(pattern, saved.relative(info.key))
