@@ -558,7 +558,7 @@ class _Engine:
             self._abort(upload)
 
 
-def _write_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
+def _write_transfer_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
     fields = {
         "source": plan.source,
         "commit": plan.commit,
@@ -627,7 +627,7 @@ def _execute_transfer(
     )
     removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
     lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
-    _write_manifest(dest, plan, results)
+    _write_transfer_manifest(dest, plan, results)
     return TransferResult(
         plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
     )

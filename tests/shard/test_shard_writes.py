@@ -128,6 +128,48 @@ def test_a_failure_mid_way_leaves_nothing_under_a_final_name(tmp_path: Path, fai
     assert leftovers == []  # no final names, and the temporary files were removed by the aborts
 
 
+class CountingParts:
+    """Wraps a store: counts the parts its uploads are sent in; `positional` False hides the uploads'
+    positional writer, as a store without one would."""
+
+    def __init__(self, inner: Any, positional: bool) -> None:
+        self.inner, self.positional, self.parts = inner, positional, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
+        outer = self
+
+        class Upload:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(upload, name)
+
+            def upload_part(self, index: int, data: bytes) -> None:
+                outer.parts += 1
+                upload.upload_part(index, data)
+
+            def positional_writer(self) -> Any:
+                return upload.positional_writer() if outer.positional else None
+
+        return Upload()
+
+
+@pytest.mark.parametrize("positional", [True, False])
+def test_rank_files_are_written_in_place_where_the_upload_can_and_in_parts_otherwise(
+    tmp_path: Path, positional: bool
+) -> None:
+    config, hf = write_model(tmp_path / "hf", "llama-gqa")
+    dest = open_location(str(tmp_path / "out"))
+    counting = CountingParts(dest.store, positional)
+    options = ShardOptions(tensor_parallel_size=2, max_part_size=3000)
+    result = shard_checkpoint(open_location(str(tmp_path / "hf")), Location(counting, dest.prefix), options)  # type: ignore[arg-type]
+    assert result.ok and len(result.files) > 2
+    assert counting.parts == (0 if positional else len(result.files))  # small files: one part each
+    assert_rank_matches(tmp_path / "out", config, hf, 2)
+
+
 def test_reconstruction_check_catches_a_corrupted_file(tmp_path: Path) -> None:
     write_model(tmp_path / "hf", "llama-gqa")
     result = shard(tmp_path / "hf", tmp_path / "out", tensor_parallel_size=2)
@@ -192,6 +234,27 @@ def test_reads_are_small_ranged_reads_inside_one_tensor(tmp_path: Path) -> None:
 @pytest.fixture(params=["s3", "gs", "az"])
 def bucket_root(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(f"{request.param}_root")
+
+
+def test_bucket_uploads_offer_no_positional_writer(bucket_root: str) -> None:
+    dest = open_location(f"{bucket_root}/positional")
+    upload = dest.store.start_multipart(dest.key("x.safetensors"), 5 * 1024 * 1024)
+    try:
+        assert upload.positional_writer() is None
+    finally:
+        upload.abort()
+
+
+def test_a_local_upload_writes_at_any_offset_and_shows_only_once_complete(tmp_path: Path) -> None:
+    dest = open_location(str(tmp_path / "out"))
+    upload = dest.store.start_multipart(dest.key("x.bin"), 5 * 1024 * 1024)
+    write_at = upload.positional_writer()
+    assert write_at is not None
+    write_at(3, memoryview(b"def"))
+    write_at(0, b"abc")
+    assert not (tmp_path / "out" / "x.bin").exists()
+    upload.complete()
+    assert (tmp_path / "out" / "x.bin").read_bytes() == b"abcdef"
 
 
 def test_bucket_source_and_destination(tmp_path: Path, bucket_root: str) -> None:

@@ -131,7 +131,8 @@ def _shard_with_vllm_leased(
         from streamctl.storage import open_location
 
         saved = open_location(folder)
-        discarded = discard_unfinished_uploads(dest, partial(is_shard_output, pattern, serving), progress, lease.acquired_at)
+        ours = partial(is_shard_output, pattern, serving)
+        discarded = discard_unfinished_uploads(dest, ours, progress, lease.acquired_at)
         architecture = str((config.get("architectures") or ["?"])[0])
         plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, cleanup, architecture)
         copied, created = begin_run(source, dest, plan, "vllm", [path for path, _ in serving], options, progress)
@@ -183,7 +184,7 @@ def _copy_saved_files(
     streams: list[PartStream] = []
     written: list[WrittenFile] = []
     try:
-        with shielded_calls() as shielded:  # see write_sharded
+        with shielded_calls() as shielded:  # see writer.write_sharded
             for (pp_rank, tp_rank), parts in sorted(ranks.items()):
                 for part, (_, info, header) in enumerate(sorted(parts, key=lambda item: item[0])):
                     name = format_name(pattern, tp_rank=tp_rank, pp_rank=pp_rank, part=part)

@@ -42,7 +42,8 @@ READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 
 
 class PartStream:
-    """One output object: bytes written in order, cut into fixed-size multipart parts, sha256 in flight.
+    """One output object: bytes written in order, cut into fixed-size multipart parts (or written in place
+    where the upload has a positional writer), sha256 in flight.
 
     A part is assembled with one copy (`b"".join` of the pieces that fill it); only a tail shorter than a
     part is copied on its own, because the caller may reuse its buffer once `write` returns. `finish()`
