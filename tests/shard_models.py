@@ -19,7 +19,7 @@ from streamctl.checkpoint.safetensors import parse_safetensors_bytes, safetensor
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
-from tiny_models import COMMON_FIELDS, LLAMA_FIELDS
+from tiny_models import COMMON_FIELDS, LLAMA_FIELDS, hf_tensor_shapes
 
 SCALES = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
 ONE_F32 = struct.pack("<f", 1.0)
@@ -74,47 +74,8 @@ KINDS: dict[str, dict[str, Any]] = {
 }
 
 
-def head_dim_of(config: Mapping[str, Any]) -> int:
-    if config["model_type"] == "qwen2":
-        return config["hidden_size"] // config["num_attention_heads"]
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
 def qkv_bias_of(config: Mapping[str, Any]) -> bool:
     return config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
-
-
-def hf_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    kv_heads, head_dim, inter = config["num_key_value_heads"], head_dim_of(config), config["intermediate_size"]
-    llama_bias = config["model_type"] in ("llama", "mistral") and bool(config.get("attention_bias"))
-    mlp_bias = bool(config.get("mlp_bias"))
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
-    for layer in range(config["num_hidden_layers"]):
-        p = f"model.layers.{layer}."
-        for proj, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
-            shapes[f"{p}self_attn.{proj}_proj.weight"] = (rows, hidden)
-            if qkv_bias_of(config):
-                shapes[f"{p}self_attn.{proj}_proj.bias"] = (rows,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (hidden, heads * head_dim)
-        if llama_bias:
-            shapes[f"{p}self_attn.o_proj.bias"] = (hidden,)
-        if config["model_type"] == "qwen3":
-            shapes[f"{p}self_attn.q_norm.weight"] = (head_dim,)
-            shapes[f"{p}self_attn.k_norm.weight"] = (head_dim,)
-        shapes[f"{p}mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{p}mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{p}mlp.down_proj.weight"] = (hidden, inter)
-        if mlp_bias:
-            shapes[f"{p}mlp.gate_proj.bias"] = (inter,)
-            shapes[f"{p}mlp.up_proj.bias"] = (inter,)
-            shapes[f"{p}mlp.down_proj.bias"] = (hidden,)
-        shapes[f"{p}input_layernorm.weight"] = (hidden,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (hidden,)
-    shapes["model.norm.weight"] = (hidden,)
-    if not config.get("tie_word_embeddings"):
-        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
-    return shapes
 
 
 NUMPY_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
@@ -135,7 +96,7 @@ def write_model(
     """config.json, weights in `files` indexed shards, and serving clutter; returns (config, HF tensors)."""
     config = {**KINDS[kind], **overrides}
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = {name: random_tensor(name, shape, dtype) for name, shape in hf_shapes(config).items()}
+    tensors = {name: random_tensor(name, shape, dtype) for name, shape in hf_tensor_shapes(config).items()}
     names = list(tensors)
     per_file = -(-len(names) // files)
     weight_map = {}
