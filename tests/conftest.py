@@ -199,18 +199,6 @@ def _no_connection_leaves_this_host() -> Iterator[None]:
 
 
 # =========================================================================================================
-# Test folders (tests/storage/, tests/cli/, ...). Test modules are imported by basename (unique across tests/)
-# and a few import another's helpers (`from test_shard import write_model`): every folder holding test modules
-# goes on sys.path here, before collection, so such an import works whatever order the folders are collected in.
-# =========================================================================================================
-import sys as _tf_sys
-
-for _tf_folder in sorted({path.parent for path in Path(__file__).resolve().parent.glob("*/test_*.py")}):
-    if str(_tf_folder) not in _tf_sys.path:
-        _tf_sys.path.append(str(_tf_folder))
-
-
-# =========================================================================================================
 # Fake Hugging Face Hub fixtures (tests/fakehub.py). Appended section: keep it at the END of this file.
 #
 # huggingface_hub reads HF_ENDPOINT, HF_HOME and its other settings once, when it is first imported. So the

@@ -161,8 +161,8 @@ def engine_outputs(
     workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
 ) -> dict[str, tuple[Path, Any, list[list[str]]]]:
     """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm`."""
-    import streamctl.shard.run as shard_module
-    from streamctl.shard.run import ShardOptions
+    import streamctl.shard.vllm_engine as shard_module
+    from streamctl.shard.plan import ShardOptions
     from streamctl.storage import open_location
 
     outputs = {}

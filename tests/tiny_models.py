@@ -32,7 +32,7 @@ from streamctl.checkpoint.safetensors import TensorData, parse_safetensors_bytes
 
 SAFETENSORS_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
-_COMMON: dict[str, Any] = {
+COMMON_FIELDS: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 3,
@@ -47,7 +47,7 @@ _COMMON: dict[str, Any] = {
     "use_cache": True,
     "tie_word_embeddings": False,
 }
-_LLAMA: dict[str, Any] = {
+LLAMA_FIELDS: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
     "attention_bias": False,
@@ -57,17 +57,17 @@ _LLAMA: dict[str, Any] = {
     "rope_scaling": None,
 }
 KINDS: dict[str, dict[str, Any]] = {
-    "llama-gqa": {**_COMMON, **_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2},
+    "llama-gqa": {**COMMON_FIELDS, **LLAMA_FIELDS, "num_attention_heads": 8, "num_key_value_heads": 2},
     "llama-tied": {
-        **_COMMON,
-        **_LLAMA,
+        **COMMON_FIELDS,
+        **LLAMA_FIELDS,
         "num_attention_heads": 4,
         "num_key_value_heads": 4,
         "tie_word_embeddings": True,
     },
-    "llama-head-dim": {**_COMMON, **_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    "llama-head-dim": {**COMMON_FIELDS, **LLAMA_FIELDS, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
     "qwen2": {
-        **_COMMON,
+        **COMMON_FIELDS,
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
         "num_attention_heads": 4,
@@ -79,7 +79,7 @@ KINDS: dict[str, dict[str, Any]] = {
         "rope_scaling": None,
     },
     "mistral": {
-        **_COMMON,
+        **COMMON_FIELDS,
         "architectures": ["MistralForCausalLM"],
         "model_type": "mistral",
         "num_attention_heads": 8,
@@ -101,13 +101,16 @@ def tiny_config(kind: str, dtype: str = "bfloat16", **overrides: Any) -> dict[st
 
 
 def hf_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """HF tensor names and full (unsharded) shapes of a Llama-family config, in checkpoint order."""
+    """HF tensor names and full (unsharded) shapes of a Llama-family config, in checkpoint order: Llama and
+    Mistral (with attention_bias and mlp_bias), Qwen2 (qkv bias) and Qwen3 (q/k norms)."""
     hidden = config["hidden_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", heads)
     head_dim = config.get("head_dim") or hidden // heads
     inter = config["intermediate_size"]
     qkv_bias = config["model_type"] == "qwen2" or bool(config.get("attention_bias"))
+    o_bias = config["model_type"] in ("llama", "mistral") and bool(config.get("attention_bias"))
+    mlp_bias = bool(config.get("mlp_bias"))
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}"
@@ -121,10 +124,16 @@ def hf_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             if qkv_bias:
                 shapes[f"{p}.self_attn.{proj}.bias"] = (rows,)
         shapes[f"{p}.self_attn.o_proj.weight"] = (hidden, heads * head_dim)
+        if o_bias:
+            shapes[f"{p}.self_attn.o_proj.bias"] = (hidden,)
+        if config["model_type"] == "qwen3":
+            shapes[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
+            shapes[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[f"{p}.mlp.up_proj.weight"] = (inter, hidden)
-        shapes[f"{p}.mlp.down_proj.weight"] = (hidden, inter)
+        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+            shapes[f"{p}.mlp.{proj}.weight"] = shape
+            if mlp_bias:
+                shapes[f"{p}.mlp.{proj}.bias"] = shape[:1]
     shapes["model.norm.weight"] = (hidden,)
     if not config.get("tie_word_embeddings"):
         shapes["lm_head.weight"] = (config["vocab_size"], hidden)

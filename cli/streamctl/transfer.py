@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from typing import Literal
 
-from streamctl import __version__
 from streamctl.errors import (
     IntegrityError,
     NotFoundError,
@@ -59,12 +56,21 @@ from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import is_safe_relative_path
 from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
 from streamctl.storage import deadlines
+from streamctl.uploads import (
+    SHA256_KEY,
+    ByteBudget,
+    Cancelled,
+    CopiedFile,
+    discard_unfinished_uploads,
+    list_dest,
+    part_size_for,
+    write_manifest,
+)
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
 DEFAULT_CONCURRENCY = 16
 HASH_CHUNK = 8 * MiB
-SHA256_KEY = "sha256"
 GIT_SHA1_KEY = "gitsha1"  # letters and digits only: Azure metadata names must be identifiers
 
 
@@ -136,14 +142,6 @@ class TransferOptions:
                 f"--max-buffer ({self.max_buffer} bytes) is smaller than --part-size ({self.part_size} bytes)",
                 hint="raise --max-buffer or lower --part-size",
             )
-
-
-@dataclass(frozen=True)
-class CopiedFile:
-    path: str
-    size: int
-    sha256: str
-    action: Literal["copied", "skipped"]
 
 
 @dataclass(frozen=True)
@@ -231,15 +229,6 @@ def _mismatch(digests: Digests, sha256: str | None, git_sha1: str | None) -> str
 def _with_metadata(location: Location, info: ObjectInfo) -> ObjectInfo:
     """Listings of some stores (S3) carry no user metadata: ask for it when it is missing."""
     return info if info.metadata else location.store.stat(info.key)
-
-
-def _list_dest(dest: Location) -> dict[str, ObjectInfo]:
-    try:
-        return {dest.relative(info.key): info for info in dest.list()}
-    except NotFoundError:
-        if dest.store.scheme == "file":
-            return {}  # a local folder is created on the first write
-        raise
 
 
 def _read_json(location: Location, path: str, size: int) -> object:
@@ -367,7 +356,7 @@ def plan_transfer(
         exclude=options.exclude,
         all_files=options.all_files,
     )
-    existing = _list_dest(dest)
+    existing = list_dest(dest)
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
@@ -395,36 +384,8 @@ def plan_transfer(
 # --------------------------------------------------------------------------------------------- copying
 
 
-class _Cancelled(Exception):
-    """Raised inside workers once the run is being torn down."""
-
-
 class _ChecksumMismatch(Exception):
     pass
-
-
-class ByteBudget:
-    """A counting semaphore in bytes: bounds the data held in memory by parts in flight."""
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._free = capacity
-        self._condition = threading.Condition()
-
-    def acquire(self, amount: int, cancelled: threading.Event) -> int:
-        amount = min(amount, self._capacity)  # an oversized part waits for the whole budget
-        with self._condition:
-            while self._free < amount:
-                if cancelled.is_set():
-                    raise _Cancelled()
-                self._condition.wait(0.2)
-            self._free -= amount
-        return amount
-
-    def release(self, amount: int) -> None:
-        with self._condition:
-            self._free += amount
-            self._condition.notify_all()
 
 
 @dataclass
@@ -440,7 +401,7 @@ class _HashChain:
         with self.condition:
             while self.next_index != index:
                 if self.failed or cancelled.is_set():
-                    raise _Cancelled()
+                    raise Cancelled()
                 self.condition.wait(0.2)
             self.digests.update(data)
             self.next_index += 1
@@ -450,12 +411,6 @@ class _HashChain:
         with self.condition:
             self.failed = True
             self.condition.notify_all()
-
-
-def part_size_for(size: int, requested: int, min_part_size: int, max_parts: int) -> int:
-    """The requested part size, grown when the store's part-count limit requires it."""
-    part = max(requested, min_part_size, math.ceil(size / max_parts) if size else 1)
-    return part
 
 
 @dataclass
@@ -531,7 +486,7 @@ class _Engine:
             for index, start in enumerate(range(0, file.size, part_size)):
                 length = min(part_size, file.size - start)
                 if self.cancelled.is_set():
-                    raise _Cancelled()
+                    raise Cancelled()
                 held = self.budget.acquire(length, self.cancelled)
                 futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task))  # type: ignore[arg-type]
             for future in futures:
@@ -564,7 +519,7 @@ class _Engine:
     ) -> None:
         try:
             if self.cancelled.is_set() or chain.failed:
-                raise _Cancelled()
+                raise Cancelled()
             data = self._read(file.path, start, length)
             chain.feed(index, data, self.cancelled)
             self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
@@ -603,67 +558,15 @@ class _Engine:
             self._abort(upload)
 
 
-def write_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
-    manifest = {
-        "tool": "streamctl",
-        "version": __version__,
+def _write_transfer_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
+    fields = {
         "source": plan.source,
         "commit": plan.commit,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
         # Files earlier streamctl runs wrote here that this one left (no --force): a later --force removes them.
         "older_files": list(plan.cleanup.older_files),
     }
-    put_json(dest, MANIFEST_NAME, manifest)
-
-
-def put_json(location: Location, name: str, document: object) -> None:
-    """Write a small JSON document (a manifest) with its sha256 as metadata, like every object we write."""
-    body = json.dumps(document, indent=2).encode() + b"\n"
-    location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
-
-
-def discard_unfinished_uploads(
-    dest: Location, ours: Callable[[str], bool], progress: Progress, started_before: datetime | None = None
-) -> tuple[str, ...]:
-    """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
-    them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
-    files take disk, until someone does. Unfinished uploads of other objects are left alone.
-
-    Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
-    upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
-    stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
-    store gives no date for are discarded (under the lease, no live run can own them).
-
-    Best effort: credentials that may write but not list or abort uploads (no s3:ListBucketMultipartUploads,
-    say) are common and enough for the run itself, so a refusal here is reported, never fatal.
-    """
-    try:
-        unfinished = dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else "")
-    except StreamctlError as error:
-        progress.log(f"could not look for unfinished uploads of earlier runs: {error.message}")
-        return ()
-    discarded = []
-    recent = 0
-    for upload in unfinished:
-        name = dest.relative(upload.key)
-        if not ours(name):
-            continue
-        if started_before is not None and upload.started is not None and upload.started >= started_before:
-            recent += 1
-            continue
-        try:
-            upload.discard()
-        except StreamctlError as error:
-            progress.log(f"could not discard an unfinished upload of {name}: {error.message}")
-            continue
-        discarded.append(name)
-    if discarded:
-        shown = ", ".join(sorted(set(discarded))[:5]) + (", ..." if len(set(discarded)) > 5 else "")
-        progress.log(f"discarded {len(discarded)} unfinished upload(s) an earlier run left: {shown}")
-    if recent:
-        progress.log(f"left {recent} unfinished upload(s) begun after this run took the lease (another writer's)")
-    return tuple(sorted(discarded))
+    write_manifest(dest, MANIFEST_NAME, fields)
 
 
 def execute_transfer(
@@ -683,7 +586,7 @@ def execute_transfer(
         dest = lease.fenced(dest)
         if not options.force:
             # Planning ran before the lease: another run may have finished writing here since.
-            existing = _list_dest(dest)
+            existing = list_dest(dest)
             manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
             _check_manifest(dest, manifests, plan.source, plan.commit, {file.path for file in plan.files})
         return _execute_transfer(plan, source, dest, options, progress, lease)
@@ -724,7 +627,7 @@ def _execute_transfer(
     )
     removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
     lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
-    write_manifest(dest, plan, results)
+    _write_transfer_manifest(dest, plan, results)
     return TransferResult(
         plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
     )

@@ -16,7 +16,8 @@ from pathlib import Path
 from oracle import pooling_config_many, requires_vllm_oracle
 from streamctl.checkpoint.files import config_references, read_config_references, select_serving_files
 from streamctl.checkpoint.safetensors import safetensors_bytes
-from streamctl.shard.run import ShardOptions, shard_checkpoint
+from streamctl.shard.plan import ShardOptions
+from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.url import source_identity
 from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer

@@ -381,9 +381,9 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     lease while vLLM saves, and releases it when the save fails."""
     import subprocess as subprocess_module
 
-    import streamctl.shard.run as shard_module
+    import streamctl.shard.vllm_engine as shard_module
     from streamctl.errors import UsageError
-    from streamctl.shard.run import ShardOptions
+    from streamctl.shard.plan import ShardOptions
 
     write_tiny_checkpoint(tmp_path / "hf", "llama-gqa")
     dest = open_location(str(tmp_path / "out"))

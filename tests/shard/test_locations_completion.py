@@ -22,12 +22,13 @@ from typing import Any
 
 import pytest
 from cli_helpers import run_cli
-from test_shard import write_model
+from shard_models import write_model
 
 from streamctl.errors import NotFoundError, RemoteError, StreamctlError
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.retry import RetryPolicy
-from streamctl.shard.run import ShardOptions, shard_checkpoint
+from streamctl.shard.plan import ShardOptions
+from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 from streamctl.verify.run import verify_checkpoint
@@ -101,6 +102,9 @@ class FailingWrites:
             def complete(self, metadata: Any = None) -> Any:
                 outer.write()
                 return upload.complete(metadata)
+
+            def positional_writer(self) -> None:
+                return None  # parts only, so every write is counted here
 
         return Upload()
 

@@ -19,7 +19,7 @@ from streamctl.errors import NotFoundError, PreconditionFailed
 from streamctl.progress import NULL_PROGRESS
 from streamctl.storage import Location, StorageOptions, open_location
 from streamctl.storage.base import LEASE_NAME
-from streamctl.transfer import discard_unfinished_uploads
+from streamctl.uploads import discard_unfinished_uploads
 
 OPTIONS = StorageOptions(max_attempts=2)
 

@@ -513,8 +513,8 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
 ) -> None:
     """Credentials that may write objects but not list multipart uploads (a common least-privilege
     policy) are enough for a run: the clean-up of earlier runs' uploads is skipped with a note, not fatal."""
-    from streamctl.transfer import discard_unfinished_uploads
     from progress_helpers import RecordingProgress
+    from streamctl.uploads import discard_unfinished_uploads
 
     server = storage_servers.s3()
     assert isinstance(server, S3Server)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 from servers import StorageServers
-from streamctl.shard.run import ShardOptions, shard_checkpoint
+from streamctl.shard.plan import ShardOptions
+from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage import s3 as s3_module
 from streamctl.storage.base import Location, content_type_for

@@ -181,7 +181,7 @@ def test_files_an_earlier_run_left_stay_known_to_a_later_force(tmp_path: Path, l
 
 
 def test_a_sharded_checkpoint_is_not_overwritten_without_force(tmp_path: Path) -> None:
-    from test_shard import write_model
+    from shard_models import write_model
 
     write_model(tmp_path / "hf", "llama-gqa")
     assert run_cli("shard", str(tmp_path / "hf"), str(tmp_path / "tp2"), "-tp", "2").exit_code == 0

@@ -27,9 +27,9 @@ from streamctl.storage.base import Location
 from streamctl.transfer import (
     TransferOptions,
     execute_transfer,
-    part_size_for,
     plan_transfer,
 )
+from streamctl.uploads import part_size_for
 from streamctl.storage.url import resolve_source_url, source_identity
 from streamctl.verify.run import verify_checkpoint
 

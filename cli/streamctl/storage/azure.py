@@ -341,6 +341,9 @@ class AzureMultipartUpload:
             self._state = "completed"
         return ObjectInfo(self.key, sum(sizes.values()), strip_etag(response.get("etag")), dict(self.metadata))
 
+    def positional_writer(self) -> None:
+        return None  # parts are the only way to write an object here
+
     def abort(self) -> None:
         # Nothing to send: see the module docstring for why uncommitted blocks are harmless.
         with self._lock:

@@ -132,6 +132,10 @@ class ObjectInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
+# Writes bytes at any offset of an upload's object: `write(offset, data)` (see MultipartUpload.positional_writer).
+PositionalWrite = Callable[[int, "bytes | memoryview"], None]
+
+
 class MultipartUpload(Protocol):
     """An upload in parts; nothing is visible under `key` until `complete()` returns."""
 
@@ -152,6 +156,12 @@ class MultipartUpload(Protocol):
 
     def abort(self) -> None:
         """Discard every part sent; safe to call twice or after a failure."""
+        ...
+
+    def positional_writer(self) -> PositionalWrite | None:
+        """A capability: where the object can be written at any offset (a local file), the function that
+        does, which spares a writer streaming in order the copy that assembling parts takes; None where
+        parts are the only way (buckets). Either way `complete()` and `abort()` end the upload."""
         ...
 
 

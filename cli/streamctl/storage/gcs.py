@@ -233,6 +233,9 @@ class GCSMultipartUpload:
             names = [self.part_name(index) for index in self._sizes]
         self.leftovers = self.store._delete_quietly(names)
 
+    def positional_writer(self) -> None:
+        return None  # parts are the only way to write an object here
+
     def abort(self) -> None:
         with self._lock:
             if self._state == "completed" or self._cleaned:

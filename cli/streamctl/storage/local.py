@@ -38,6 +38,7 @@ from streamctl.errors import (
 )
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
+    PositionalWrite,
     ListingNote,
     ObjectInfo,
     StorageOptions,
@@ -293,6 +294,9 @@ class LocalMultipartUpload:
             start_writeback(fd, start, offset - start)
         except OSError as error:
             raise _map_os_error(error, self.final_path) from None
+
+    def positional_writer(self) -> PositionalWrite:
+        return self.write_at
 
     def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         if metadata:

@@ -229,6 +229,9 @@ class S3MultipartUpload:
             etag = self.store._replace_metadata(self.key, size, self.metadata, self.content_type)
         return ObjectInfo(self.key, size, etag, dict(self.metadata))
 
+    def positional_writer(self) -> None:
+        return None  # parts are the only way to write an object here
+
     def abort(self) -> None:
         with self._lock:
             if self._state != "open":

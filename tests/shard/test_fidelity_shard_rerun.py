@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from streamctl.errors import UsageError
-from streamctl.shard.run import ShardOptions, shard_checkpoint
+from streamctl.shard.plan import ShardOptions
+from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 from tiny_models import write_tiny_checkpoint

@@ -1,0 +1,157 @@
+"""What DEST holds before a shard run writes: one listing and its streamctl manifests, what --force removes
+or leaves alone, and which rank files a re-run of the same plan may keep (`plan_dest`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, listing_notes
+from streamctl.checkpoint.sharded_names import parse_sharded_name
+from streamctl.errors import UsageError
+from streamctl.ownership import (
+    Cleanup,
+    plan_cleanup,
+    read_manifests,
+    shard_run_incomplete,
+    unfollowed_links,
+    written_by_streamctl,
+)
+from streamctl.shard.plan import ShardPlan
+from streamctl.storage.base import Location, ObjectInfo
+from streamctl.uploads import SHA256_KEY, list_dest
+from streamctl.words import plural
+
+
+@dataclass(frozen=True)
+class _DestState:
+    """One listing of DEST and the streamctl manifests in it, read once per decision about DEST."""
+
+    existing: dict[str, ObjectInfo]
+    manifests: dict[str, dict[str, Any] | None]
+
+
+def _read_dest(dest: Location) -> _DestState:
+    existing = list_dest(dest)
+    return _DestState(existing, read_manifests(dest, {name: info.size for name, info in existing.items()}))
+
+
+def check_dest(
+    dest: Location, pattern: str, writes: set[str], force: bool, state: _DestState | None = None
+) -> Cleanup:
+    """UsageError when DEST holds files and --force is not given; with it, what --force removes there (files
+    a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
+    state = state or _read_dest(dest)
+    existing, manifests = state.existing, state.manifests
+    candidates = [*existing, *unfollowed_links(listing_notes(dest))]
+    written_before = written_by_streamctl(manifests, candidates)
+
+    def own_output(name: str) -> bool:
+        return parse_sharded_name(pattern, name) is not None
+
+    if existing and not force:
+        shown = ", ".join(sorted(existing)[:3]) + (", ..." if len(existing) > 3 else "")
+        raise UsageError(
+            f"{dest.url} already holds {plural(len(existing), 'file')} ({shown})",
+            hint=(
+                "these look like an interrupted shard run (its manifest is missing or incomplete); "
+                "pass --force to write them again"
+                if _looks_interrupted(existing, manifests.get(SHARD_MANIFEST_NAME), own_output)
+                else "choose an empty destination, or pass --force to replace what streamctl wrote there"
+            ),
+        )
+    return plan_cleanup(candidates, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
+
+
+def _looks_interrupted(
+    existing: Mapping[str, ObjectInfo], manifest: Mapping[str, Any] | None, own_output: Callable[[str], bool]
+) -> bool:
+    """A shard run that did not finish: its manifest says so, or there is none and DEST holds rank files of
+    our pattern (a folder holding only other things, a Hugging Face checkpoint say, is not one)."""
+    if SHARD_MANIFEST_NAME in existing:
+        return shard_run_incomplete(manifest)
+    return any(own_output(name) for name in existing)
+
+
+def _output_names(plan: ShardPlan) -> set[str]:
+    return {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
+
+
+def plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
+    """`plan` with what DEST holds decided: without --force, a DEST holding this very plan's completed output
+    (unchanged source) keeps its right rank files and replaces the rest, as transfer does; any other
+    non-empty DEST is refused. With --force, what streamctl wrote there is replaced (see check_dest)."""
+    state = _read_dest(dest)
+    rerun = None if force else _same_plan_before(dest, plan, state)
+    if rerun is None:
+        cleanup = check_dest(dest, plan.pattern, _output_names(plan), force, state)
+        return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused={})
+    cleanup = check_dest(dest, plan.pattern, _output_names(plan), True, state)
+    return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)
+
+
+def _planned_ranks(plan: ShardPlan) -> list[dict[str, Any]]:
+    """The rank files of `plan` as the manifest lists them, without the sha256 only writing learns."""
+    return [
+        {
+            "path": file.name,
+            "pp_rank": file.pp_rank,
+            "tp_rank": file.tp_rank,
+            "part": file.part,
+            "size": file.size,
+            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in file.tensors],
+        }
+        for file in plan.files()
+    ]
+
+
+def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dict[str, str] | None:
+    """When DEST holds the manifest of a completed run of the same plan from the same, unchanged source
+    files: the rank files still there with the planned size and the manifest's sha256 (path -> sha256,
+    possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
+    existing = state.existing
+    manifest = state.manifests.get(SHARD_MANIFEST_NAME)
+    if manifest is None or shard_run_incomplete(manifest) or not plan.source_files:
+        return None
+    if any(etag is None for _, _, etag in plan.source_files):
+        return None  # no way to tell that the source did not change
+    same_settings = all(
+        manifest.get(key) == value
+        for key, value in (
+            ("source", plan.source),
+            ("engine", "offline"),
+            ("tensor_parallel_size", plan.tensor_parallel_size),
+            ("pipeline_parallel_size", plan.pipeline_parallel_size),
+            ("pattern", plan.pattern),
+            ("vllm_version", plan.vllm_version),
+            ("layout", plan.row.label),
+            ("dtype", plan.dtype),
+            ("max_part_size", plan.max_part_size),
+            ("source_files", [list(entry) for entry in plan.source_files]),
+        )
+    )
+    if not same_settings:
+        return None
+    recorded: dict[str, dict[str, Any]] = {}
+    for rank in manifest.get("ranks") or []:
+        for file in (rank.get("files") or []) if isinstance(rank, dict) else []:
+            if isinstance(file, dict) and isinstance(file.get("path"), str):
+                recorded[file["path"]] = {**file, "pp_rank": rank.get("pp_rank"), "tp_rank": rank.get("tp_rank")}
+    planned = _planned_ranks(plan)
+    if sorted(recorded) != sorted(entry["path"] for entry in planned):
+        return None
+    for entry in planned:
+        if any(recorded[entry["path"]].get(key) != value for key, value in entry.items()):
+            return None
+    reused: dict[str, str] = {}
+    for entry in planned:
+        found = existing.get(entry["path"])
+        sha256 = recorded[entry["path"]].get("sha256")
+        if found is None or found.size != entry["size"] or not isinstance(sha256, str):
+            continue
+        if found.metadata.get(SHA256_KEY) is None:
+            found = dest.store.stat(found.key)  # S3 listings carry no user metadata
+        if found.metadata.get(SHA256_KEY) == sha256:
+            reused[entry["path"]] = sha256
+    return reused

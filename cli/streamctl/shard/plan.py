@@ -1,0 +1,331 @@
+"""What a shard run is to produce: the options, the model's dimensions, the plan of every output file, and
+the pure layout rules (pipeline stages, each rank's rows and columns, parts, file order) that decide it."""
+
+# Order: tensors are assigned to parts in `model.state_dict()` order after vLLM's `_filter_subtensors` (what
+# vLLM's `save_model` iterates); within a file they are laid out the way `safetensors.save_file` lays them
+# out (descending dtype alignment, then name), so a file is byte-identical to what vLLM's save would write.
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
+from streamctl.checkpoint.sharded_names import format_name
+from streamctl.checkpoint.vllm_layouts import VOCAB_PADDING, LayoutRow, Split, parse_version
+from streamctl.errors import UsageError
+from streamctl.limits import check_parallel_sizes, shown_number
+from streamctl.ownership import LeftAlone
+from streamctl.retry import RetryPolicy
+from streamctl.storage.base import MiB
+
+GiB = 1024 * MiB
+DEFAULT_MAX_PART_SIZE = 5 * GiB  # vLLM's save_sharded_state script default
+# Multipart part size (S3 needs >= 5 MiB), and about the size of every block read, copied or cast.
+UPLOAD_CHUNK = 8 * MiB  # multipart part size for buckets (fewer, larger requests per rank stream)
+# Source rows are read, sliced and written in blocks of about this size. Measured here (3.1 GB, local
+# DEST): 4 MiB blocks shard in 2.0-2.2 s at TP 2 where 8 MiB blocks took 3.4-4.1 s, with a third of the
+# kernel time; 2 MiB is no faster and costs more Python per byte.
+READ_BLOCK = 4 * MiB
+MAX_BUFFER = 128 * MiB  # bytes read (and copied) but not yet written, at most
+
+DtypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
+Engine = Literal["offline", "vllm"]
+DTYPE_CHOICES: Mapping[str, str | None] = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+# =============================================================================================== options
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    tensor_parallel_size: int
+    pipeline_parallel_size: int = 1
+    pattern: str | None = None  # None: vLLM's default for the PP size
+    max_part_size: int = DEFAULT_MAX_PART_SIZE
+    dtype: DtypeChoice = "auto"  # auto keeps each tensor's checkpoint dtype
+    vllm_version: str | None = None  # None: the installed vllm's, else the newest layout row
+    engine: Engine = "offline"
+    force: bool = False
+    layer_partition: str | None = None  # VLLM_PP_LAYER_PARTITION, e.g. "5,5,6"
+    upload_chunk: int = UPLOAD_CHUNK  # part size of bucket uploads
+    read_block: int = READ_BLOCK  # block size of the reads (and of the check's comparisons)
+    max_buffer: int = MAX_BUFFER
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise UsageError(
+                f"parallel sizes must be at least 1 (TP {shown_number(self.tensor_parallel_size)}, "
+                f"PP {shown_number(self.pipeline_parallel_size)})",
+                code="bad-option-value",
+            )
+        check_parallel_sizes(self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.vllm_version is not None:
+            parse_version(self.vllm_version)  # before any I/O, not when the plan picks the layout row
+        if self.max_part_size < 1:
+            raise UsageError("--max-part-size must be positive")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UsageError(f"unknown --dtype {self.dtype!r}", hint=f"use one of {', '.join(DTYPE_CHOICES)}")
+        if self.engine not in ("offline", "vllm"):
+            raise UsageError(f"unknown --engine {self.engine!r}", hint="use offline or vllm")
+        if self.upload_chunk < 1 or self.read_block < 1 or self.max_buffer < self.read_block:
+            raise UsageError("the upload chunk and read block must be positive, the block no larger than the buffer")
+
+
+# =============================================================================================== model
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers from config.json that decide names and shapes (notation of the spec)."""
+
+    architecture: str
+    hidden_size: int  # H
+    num_heads: int  # nh
+    num_kv_heads: int  # nkv
+    head_dim: int  # d
+    intermediate_size: int  # I
+    vocab_size: int  # V
+    num_layers: int
+    tied: bool
+
+    @property
+    def padded_vocab_size(self) -> int:  # Vp
+        return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    name: str
+    file: str  # relative to the source location
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One run of a rank's tensor: rows (axis 0) or columns (axis 1) [start, stop) of source `source`,
+    `stop - start` zero rows (`source` None), or the whole source (`axis` None)."""
+
+    source: int | None
+    axis: int | None
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of every TP rank of a stage (same name, shape and dtype on each rank)."""
+
+    name: str
+    split: Split
+    sources: tuple[SourceTensor, ...]
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        elements = 1
+        for dim in self.shape:
+            elements *= dim
+        return elements * DTYPE_BITS[self.dtype] // 8
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    pp_rank: int
+    layers: range
+    parts: tuple[tuple[PlannedTensor, ...], ...]  # state-dict order, split at max_part_size
+
+    @property
+    def tensors(self) -> tuple[PlannedTensor, ...]:
+        return tuple(tensor for part in self.parts for tensor in part)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    name: str
+    pp_rank: int
+    tp_rank: int
+    part: int
+    tensors: tuple[PlannedTensor, ...]  # in file (byte) order
+    header: bytes  # 8-byte length + padded JSON
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(tensor.nbytes for tensor in self.tensors)
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    source: str
+    dest: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pattern: str
+    vllm_version: str | None  # what picked the row (given or installed); None: newest row by default
+    row: LayoutRow
+    dims: ModelDims
+    dtype: DtypeChoice
+    max_part_size: int
+    stages: tuple[StagePlan, ...]
+    serving_files: tuple[tuple[str, int], ...]  # (path, size) of the non-weight files to copy
+    stale: tuple[str, ...]  # DEST files earlier streamctl runs wrote that --force removes (see streamctl.ownership)
+    tied_lm_head: SourceTensor | None  # the checkpoint's own lm_head when config says tied: must equal embed
+    left_alone: tuple[LeftAlone, ...] = ()  # DEST files this run neither writes nor removes
+    # (path, size, etag) of every source weight file: a re-run may reuse DEST files only if none changed.
+    source_files: tuple[tuple[str, int, str | None], ...] = ()
+    # DEST rank files a completed earlier run of this same plan left, unchanged: path -> their sha256.
+    reused: Mapping[str, str] = field(default_factory=dict)
+
+    def files(self) -> list[PlannedFile]:
+        return [file for stage in self.stages for file in stage_files(self, stage)]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(file.size for file in self.files())
+
+
+# =============================================================================================== pure layout rules
+
+
+def pipeline_stages(
+    num_layers: int, pipeline_parallel_size: int, layer_partition: str | None = None
+) -> tuple[range, ...]:
+    """The layers of each stage, as vLLM 0.33's `get_pp_indices` assigns them.
+
+    Even split; a remainder goes one layer each to the stages just before the last (p-2, then p-3, ...).
+    `layer_partition` ("a,b,...", vLLM's VLLM_PP_LAYER_PARTITION) overrides it.
+    """
+    size = pipeline_parallel_size
+    if layer_partition is not None:
+        try:
+            counts = [int(item) for item in layer_partition.split(",")]
+        except ValueError:
+            raise UsageError(
+                f"invalid VLLM_PP_LAYER_PARTITION {layer_partition!r}", hint="write layer counts like 5,5,6"
+            ) from None
+        if len(counts) != size:
+            raise UsageError(
+                f"VLLM_PP_LAYER_PARTITION {layer_partition!r} has {len(counts)} stages; "
+                f"--pipeline-parallel-size is {size}"
+            )
+        if sum(counts) != num_layers or any(count < 0 for count in counts):
+            raise UsageError(
+                f"VLLM_PP_LAYER_PARTITION {layer_partition!r} sums to {sum(counts)}; the model has {num_layers} layers"
+            )
+    else:
+        counts = [num_layers // size] * size
+        for index in range(2, num_layers % size + 2):
+            counts[-index] += 1
+    starts = [sum(counts[:stage]) for stage in range(size)]
+    return tuple(range(start, start + count) for start, count in zip(starts, counts))
+
+
+def rank_segments(
+    split: Split, source_shapes: Sequence[tuple[int, ...]], dims: ModelDims, tp: int, rank: int
+) -> tuple[Segment, ...]:
+    """Which rows or columns of which source tensor make up rank `rank`'s tensor, in order (the spec's table)."""
+    if split is Split.SCALE_ONE:
+        return ()
+    if split is Split.REPLICATED:
+        shape = source_shapes[0]
+        return (Segment(0, 0, 0, shape[0]),) if shape else (Segment(0, None, 0, 0),)
+    if split is Split.VOCAB_ROWS:
+        per_rank = dims.padded_vocab_size // tp
+        start = rank * per_rank
+        real = max(0, min(start + per_rank, dims.vocab_size) - start)
+        segments = [Segment(0, 0, start, start + real)] if real else []
+        if real < per_rank:
+            segments.append(Segment(None, 0, 0, per_rank - real))  # padding rows, zero
+        return tuple(segments)
+    if split is Split.QKV_ROWS:
+        q_rows = dims.num_heads // tp * dims.head_dim
+        kv_rows = max(1, dims.num_kv_heads // tp) * dims.head_dim
+        block = rank // max(1, tp // dims.num_kv_heads)  # ranks share a KV head when TP > nkv
+        return (
+            Segment(0, 0, rank * q_rows, (rank + 1) * q_rows),
+            Segment(1, 0, block * kv_rows, (block + 1) * kv_rows),
+            Segment(2, 0, block * kv_rows, (block + 1) * kv_rows),
+        )
+    if split is Split.MERGED_ROWS:
+        return tuple(
+            Segment(index, 0, rank * (shape[0] // tp), (rank + 1) * (shape[0] // tp))
+            for index, shape in enumerate(source_shapes)
+        )
+    if split is Split.COLUMNS:
+        columns = source_shapes[0][1] // tp
+        return (Segment(0, 1, rank * columns, (rank + 1) * columns),)
+    raise AssertionError(f"unknown split {split}")
+
+
+def segments_shape(segments: Sequence[Segment], source_shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape of the tensor the segments make up."""
+    if not segments:
+        return ()
+    first = segments[0]
+    if first.axis is None:
+        return source_shapes[0]
+    if first.axis == 1:
+        shape = source_shapes[0]
+        return (shape[0], first.stop - first.start, *shape[2:])
+    return (sum(segment.stop - segment.start for segment in segments), *source_shapes[0][1:])
+
+
+def safetensors_order(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
+    """The order `safetensors.save_file` lays tensors out in: descending dtype alignment, then by name."""
+    return sorted(tensors, key=lambda tensor: (-_SAFETENSORS_DTYPE_RANK.get(tensor.dtype, 0), tensor.name))
+
+
+# safetensors' Dtype enum is declared in increasing alignment order; sort keys follow its position.
+_SAFETENSORS_DTYPE_ORDER = (
+    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 "
+    "C64 F64 I64 U64"
+)
+_SAFETENSORS_DTYPE_RANK: Mapping[str, int] = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPE_ORDER.split())}
+
+
+def split_into_parts(tensors: Sequence[PlannedTensor], max_part_size: int) -> tuple[tuple[PlannedTensor, ...], ...]:
+    """vLLM's rule: a new part when adding the next tensor would exceed the limit; never an empty part
+    (so a tensor larger than the limit goes alone)."""
+    parts: list[list[PlannedTensor]] = []
+    total = 0
+    for tensor in tensors:
+        if not parts or total + tensor.nbytes > max_part_size:  # the current part is never empty
+            parts.append([])
+            total = 0
+        parts[-1].append(tensor)
+        total += tensor.nbytes
+    return tuple(tuple(part) for part in parts)
+
+
+def stage_files(plan: ShardPlan, stage: StagePlan) -> list[PlannedFile]:
+    files = []
+    for part_index, part in enumerate(stage.parts):
+        ordered = tuple(safetensors_order(part))
+        header, _ = encode_safetensors_header(
+            [(tensor.name, tensor.dtype, tensor.shape, tensor.nbytes) for tensor in ordered]
+        )
+        for tp_rank in range(plan.tensor_parallel_size):
+            name = format_name(plan.pattern, tp_rank=tp_rank, pp_rank=stage.pp_rank, part=part_index)
+            files.append(PlannedFile(name, stage.pp_rank, tp_rank, part_index, ordered, header))
+    return files
+
+
+def skipped_files(plan: ShardPlan) -> frozenset[str]:
+    """The rank files a re-run leaves as they are: every TP rank of a part reused (they are cut from the
+    same reads, so a part is skipped or written for all ranks together)."""
+    if not plan.reused:
+        return frozenset()
+    skipped: set[str] = set()
+    for stage in plan.stages:
+        files = stage_files(plan, stage)
+        for part_index in range(len(stage.parts)):
+            names = [file.name for file in files if file.part == part_index]
+            if all(name in plan.reused for name in names):
+                skipped.update(names)
+    return frozenset(skipped)

@@ -1,0 +1,191 @@
+"""What a shard run reports and records: the written files, `ShardResult` (its JSON), `ShardCheckFailed`,
+and DEST's shard manifest, written `"complete": false` before the first byte and completed last."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, notes_to_json
+from streamctl.errors import VerificationFailed
+from streamctl.shard.checks import ReconstructionReport
+from streamctl.shard.plan import Engine, ShardPlan
+from streamctl.storage.base import ListingNote, Location
+from streamctl.uploads import CopiedFile, write_manifest
+from streamctl.verify.report import VerifyReport
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    path: str
+    pp_rank: int
+    tp_rank: int
+    part: int
+    size: int
+    sha256: str
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) in file order
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    plan: ShardPlan
+    engine: Engine
+    files: tuple[WrittenFile, ...]
+    copied: tuple[CopiedFile, ...]
+    removed: tuple[str, ...]
+    bytes_written: int
+    seconds: float  # the whole run: plan, write, copy and both checks
+    write_seconds: float  # planning and writing the weights, until every file is complete
+    verify: VerifyReport
+    reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
+    discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
+    notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
+    skipped: tuple[str, ...] = ()  # rank files already in DEST from an identical earlier run, not rewritten
+
+    @property
+    def ok(self) -> bool:
+        return self.verify.ok and (self.reconstruction is None or self.reconstruction.ok)
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.bytes_written / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "source": plan.source,
+            "dest": plan.dest,
+            "tensor_parallel_size": plan.tensor_parallel_size,
+            "pipeline_parallel_size": plan.pipeline_parallel_size,
+            "pattern": plan.pattern,
+            "vllm_version": plan.vllm_version,
+            "layout": plan.row.label,
+            "engine": self.engine,
+            "dtype": plan.dtype,
+            "files": [
+                {
+                    "path": file.path,
+                    "rank": file.tp_rank,
+                    "tp_rank": file.tp_rank,
+                    "pp_rank": file.pp_rank,
+                    "part": file.part,
+                    "size": file.size,
+                    "sha256": file.sha256,
+                    "tensors": len(file.tensors),
+                }
+                for file in self.files
+            ],
+            "copied": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in self.copied],
+            "removed": list(self.removed),
+            "left_alone": [item.to_json() for item in self.plan.left_alone],
+            "skipped": list(self.skipped),
+            "discarded_uploads": list(self.discarded),
+            **notes_to_json(self.notes),
+            "bytes_written": self.bytes_written,
+            "seconds": round(self.seconds, 3),
+            "write_seconds": round(self.write_seconds, 3),
+            "throughput_mb_s": round(self.throughput_mb_s, 2),
+            "checks": {
+                "verify": self.verify.to_json(),
+                "reconstruction": self.reconstruction.to_json() if self.reconstruction else None,
+            },
+        }
+
+
+class ShardCheckFailed(VerificationFailed):
+    """The files were written, but a post-write check failed (exit 1); `result` says which."""
+
+    code = "shard-check-failed"
+
+    def __init__(self, result: ShardResult) -> None:
+        reconstruction_ok = result.reconstruction is None or result.reconstruction.ok
+        failed = [name for name, ok in (("verify", result.verify.ok), ("reconstruction", reconstruction_ok)) if not ok]
+        super().__init__(
+            f"{result.plan.dest}: the {' and '.join(failed)} check failed after writing",
+            hint="the files are left in place for inspection, marked incomplete (verify-index and serve refuse "
+            "them); see the report",
+        )
+        self.result = result
+
+
+def write_shard_manifest(dest: Location, result: ShardResult) -> None:
+    """The completed manifest, written last: the run's settings, every rank file (size, sha256, tensors),
+    the serving files copied, and the older streamctl files left in DEST."""
+    plan = result.plan
+    fields = {
+        "complete": True,
+        "source": plan.source,
+        "engine": result.engine,
+        "architecture": plan.dims.architecture,
+        "tensor_parallel_size": plan.tensor_parallel_size,
+        "pipeline_parallel_size": plan.pipeline_parallel_size,
+        "pattern": plan.pattern,
+        "vllm_version": plan.vllm_version,
+        "layout": plan.row.label,
+        "dtype": plan.dtype,
+        "max_part_size": plan.max_part_size,
+        "source_files": [list(entry) for entry in plan.source_files],
+        "ranks": _manifest_ranks(result.files),
+        "files": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in result.copied],
+        "older_files": [item.path for item in plan.left_alone if item.streamctl],
+    }
+    write_manifest(dest, SHARD_MANIFEST_NAME, fields)
+
+
+def _manifest_ranks(files: Sequence[WrittenFile]) -> list[dict[str, Any]]:
+    """The rank files grouped by (pp_rank, tp_rank), each rank's parts in order."""
+    ranks: dict[tuple[int, int], list[WrittenFile]] = {}
+    for file in files:
+        ranks.setdefault((file.pp_rank, file.tp_rank), []).append(file)
+    return [
+        {
+            "pp_rank": pp_rank,
+            "tp_rank": tp_rank,
+            "files": [
+                {
+                    "path": file.path,
+                    "part": file.part,
+                    "size": file.size,
+                    "sha256": file.sha256,
+                    "tensors": [
+                        {"name": name, "dtype": dtype, "shape": list(shape)} for name, dtype, shape in file.tensors
+                    ],
+                }
+                for file in sorted(rank_files, key=lambda item: item.part)
+            ],
+        }
+        for (pp_rank, tp_rank), rank_files in sorted(ranks.items())
+    ]
+
+
+def write_incomplete_manifest(
+    dest: Location,
+    *,
+    source: str,
+    engine: Engine,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    pattern: str,
+    planned: Sequence[str],
+    older_files: Sequence[str],
+) -> None:
+    """Mark DEST as a shard run in progress, before its first byte: the manifest's own name with
+    `"complete": false`, replaced (atomically: one put) by the completed manifest at the very end.
+
+    Why one name and not a separate marker: a reader finds the state in one place, and there is never a
+    moment with both a marker and a manifest (or neither) to reconcile. `verify-index` reports such a DEST
+    (`shard-incomplete`) and `serve` refuses it, whatever else a killed or out-of-space run left there. It
+    also names what the run writes and what it will remove, so a later `--force` still knows them.
+    """
+    fields = {
+        "complete": False,
+        "source": source,
+        "engine": engine,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "pattern": pattern,
+        "planned": sorted(planned),
+        "older_files": sorted(older_files),
+    }
+    write_manifest(dest, SHARD_MANIFEST_NAME, fields, stamp="started")

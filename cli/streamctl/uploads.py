@@ -1,0 +1,130 @@
+"""What the writing verbs (transfer, shard) share: the byte budget, part sizing, DEST listing, small JSON
+puts and the manifest write, and the discarding of uploads a killed earlier run left unfinished."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Literal
+
+from streamctl import __version__
+from streamctl.errors import NotFoundError, StreamctlError
+from streamctl.progress import Progress
+from streamctl.storage.base import Location, ObjectInfo
+
+SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries
+
+
+class Cancelled(Exception):
+    """Raised inside workers once the run is being torn down (it only echoes the error that caused it)."""
+
+
+@dataclass(frozen=True)
+class CopiedFile:
+    """A file written whole into DEST (or left there unchanged: `skipped`), with its sha256."""
+
+    path: str
+    size: int
+    sha256: str
+    action: Literal["copied", "skipped"] = "copied"
+
+
+class ByteBudget:
+    """A counting semaphore in bytes: bounds the data held in memory by parts in flight."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._free = capacity
+        self._condition = threading.Condition()
+
+    def acquire(self, amount: int, cancelled: threading.Event) -> int:
+        amount = min(amount, self._capacity)  # an oversized part waits for the whole budget
+        with self._condition:
+            while self._free < amount:
+                if cancelled.is_set():
+                    raise Cancelled()
+                self._condition.wait(0.2)
+            self._free -= amount
+        return amount
+
+    def release(self, amount: int) -> None:
+        with self._condition:
+            self._free += amount
+            self._condition.notify_all()
+
+
+def part_size_for(size: int, requested: int, min_part_size: int, max_parts: int) -> int:
+    """The requested part size, grown when the store's part-count limit requires it."""
+    part = max(requested, min_part_size, math.ceil(size / max_parts) if size else 1)
+    return part
+
+
+def list_dest(dest: Location) -> dict[str, ObjectInfo]:
+    """DEST's objects by path relative to it; empty for a local folder that does not exist yet."""
+    try:
+        return {dest.relative(info.key): info for info in dest.list()}
+    except NotFoundError:
+        if dest.store.scheme == "file":
+            return {}  # a local folder is created on the first write
+        raise
+
+
+def put_json(location: Location, name: str, document: object) -> None:
+    """Write a small JSON document (a manifest) with its sha256 as metadata, like every object we write."""
+    body = json.dumps(document, indent=2).encode() + b"\n"
+    location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
+
+
+def write_manifest(dest: Location, name: str, fields: Mapping[str, object], *, stamp: str = "created") -> None:
+    """Write a streamctl manifest in one put: who wrote it (tool, version) and when (under `stamp`), then
+    the verb's own `fields`."""
+    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    put_json(dest, name, {"tool": "streamctl", "version": __version__, stamp: now, **fields})
+
+
+def discard_unfinished_uploads(
+    dest: Location, ours: Callable[[str], bool], progress: Progress, started_before: datetime | None = None
+) -> tuple[str, ...]:
+    """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
+    them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
+    files take disk, until someone does. Unfinished uploads of other objects are left alone.
+
+    Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
+    upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
+    stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
+    store gives no date for are discarded (under the lease, no live run can own them).
+
+    Best effort: credentials that may write but not list or abort uploads (no s3:ListBucketMultipartUploads,
+    say) are common and enough for the run itself, so a refusal here is reported, never fatal.
+    """
+    try:
+        unfinished = dest.store.unfinished_uploads(f"{dest.prefix}/" if dest.prefix else "")
+    except StreamctlError as error:
+        progress.log(f"could not look for unfinished uploads of earlier runs: {error.message}")
+        return ()
+    discarded = []
+    recent = 0
+    for upload in unfinished:
+        name = dest.relative(upload.key)
+        if not ours(name):
+            continue
+        if started_before is not None and upload.started is not None and upload.started >= started_before:
+            recent += 1
+            continue
+        try:
+            upload.discard()
+        except StreamctlError as error:
+            progress.log(f"could not discard an unfinished upload of {name}: {error.message}")
+            continue
+        discarded.append(name)
+    if discarded:
+        shown = ", ".join(sorted(set(discarded))[:5]) + (", ..." if len(set(discarded)) > 5 else "")
+        progress.log(f"discarded {len(discarded)} unfinished upload(s) an earlier run left: {shown}")
+    if recent:
+        progress.log(f"left {recent} unfinished upload(s) begun after this run took the lease (another writer's)")
+    return tuple(sorted(discarded))

@@ -1,0 +1,147 @@
+"""`streamctl shard` refusing bad input before writing: TP constraints, unsupported checkpoints, bad options,
+an occupied DEST, a missing SOURCE (exit codes 2 and 3), and what planning and `--help` never load or read."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_helpers import run_cli
+from shard_models import (
+    KINDS,
+    write_model,
+)
+from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
+from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.shard.plan import ShardOptions
+from streamctl.shard.planning import plan_shard
+from streamctl.storage import open_location
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bad input through the CLI: exit 2 and a message that names the problem
+
+
+def cli_shard(source: Path, dest: Path, *args: str, env: dict[str, str] | None = None) -> Any:
+    return run_cli("shard", str(source), str(dest), *args, env=env)
+
+
+@pytest.mark.parametrize(
+    ("kind", "overrides", "tp", "message"),
+    [
+        ("llama-gqa", {}, 3, "does not divide num_attention_heads (8)"),
+        (
+            "llama-gqa",
+            {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 48},
+            2,
+            "num_key_value_heads (3)",
+        ),
+        ("llama-gqa", {"intermediate_size": 60}, 8, "intermediate_size (60)"),
+        (
+            "llama-gqa",
+            {"num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48, "intermediate_size": 96},
+            3,
+            "padded vocabulary (128",
+        ),
+    ],
+)
+def test_tp_constraints_exit_2(tmp_path: Path, kind: str, overrides: dict[str, Any], tp: int, message: str) -> None:
+    write_model(tmp_path / "hf", kind, **overrides)
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", str(tp))
+    assert result.exit_code == 2, result.stderr
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def write_config_only(folder: Path, config: dict[str, Any]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "model.safetensors").write_bytes(safetensors_bytes([("x", "BF16", (1,), b"\0\0")]))
+
+
+def test_unsupported_inputs_exit_2_naming_the_vllm_engine(tmp_path: Path) -> None:
+    cases: dict[str, Any] = {
+        "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
+        "quantized": {**KINDS["llama-gqa"], "quantization_config": {"quant_method": "fp8"}},
+    }
+    for name, config in cases.items():
+        write_config_only(tmp_path / name, config)
+        result = cli_shard(tmp_path / name, tmp_path / f"{name}-out", "-tp", "2")
+        assert result.exit_code == 2, (name, result.stderr)
+        assert "--engine vllm" in result.stderr, name
+    mistral = tmp_path / "consolidated"
+    mistral.mkdir()
+    (mistral / "params.json").write_text("{}")
+    (mistral / "consolidated.safetensors").write_bytes(
+        safetensors_bytes([("tok_embeddings.weight", "BF16", (1,), b"\0\0")])
+    )
+    meta = tmp_path / "meta"
+    (meta / "original").mkdir(parents=True)
+    (meta / "original" / "consolidated.00.pth").write_bytes(b"x")
+    (meta / "original" / "params.json").write_text("{}")
+    for folder, message in ((mistral, "Mistral-format"), (meta, "original/")):
+        result = cli_shard(folder, tmp_path / "unused", "-tp", "2")
+        assert result.exit_code == 2 and message in result.stderr and "--engine vllm" in result.stderr, result.stderr
+
+
+def test_bad_options_exit_2(tmp_path: Path) -> None:
+    write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=2)
+    cases = [
+        (["-tp", "2", "--pattern", "model-{part}.safetensors"], "lacks a tensor-parallel rank"),
+        (["-tp", "2", "--pattern", "model-{rank}-{part}-{pp_rank}.safetensors"], "pp_rank"),
+        (["-tp", "2", "--pattern", "model-{rank}-{shard}.safetensors"], "unknown placeholder"),
+        (["-tp", "1", "-pp", "2", "--pattern", "model-{part}.safetensors"], "lacks {pp_rank}"),
+        (["-tp", "2", "-pp", "2", "--vllm-version", "0.25.0"], "without pipeline parallelism"),
+        (["-tp", "2", "--vllm-version", "0.25.0", "--pattern", "x-{tp_rank}-{part}.safetensors"], "does not fill in"),
+        (["-tp", "2", "--vllm-version", "0.9.0"], "no sharded-state layout"),
+        (["-tp", "1", "-pp", "5"], "stage 1 of 5 gets no layers"),  # 2 layers: [0, 0, 1, 1, 0]
+        (["-tp", "2", "--max-part-size", "lots"], "invalid --max-part-size"),
+    ]  # --engine vllm without vllm installed is exit 127: tests/test_setup_options.py
+    for args, message in cases:
+        result = cli_shard(tmp_path / "hf", tmp_path / "out", *args)
+        assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)
+    env = {"VLLM_PP_LAYER_PARTITION": "1,1,1"}
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "1", "-pp", "2", env=env)
+    assert result.exit_code == 2 and "VLLM_PP_LAYER_PARTITION" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_dest_exits_2_unless_force(tmp_path: Path) -> None:
+    write_model(tmp_path / "hf", "llama-gqa")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("keep me")
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2")
+    assert result.exit_code == 2 and "--force" in result.stderr
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2", "--force")
+    assert result.exit_code == 0, result.stderr
+    assert (tmp_path / "out" / "notes.txt").read_text() == "keep me"
+    assert "checks: verify-index --sharded OK; reconstruction OK" in result.stdout
+    assert "interrupted" not in cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2").stderr
+    # A run stopped after its weights were committed (no manifest yet) is named as such.
+    (tmp_path / "out" / SHARD_MANIFEST_NAME).unlink()
+    result = cli_shard(tmp_path / "hf", tmp_path / "out", "-tp", "2")
+    assert result.exit_code == 2 and "interrupted shard run" in result.stderr and "--force" in result.stderr
+
+
+def test_missing_source_exits_3(tmp_path: Path) -> None:
+    result = cli_shard(tmp_path / "nothing", tmp_path / "out", "-tp", "2")
+    assert result.exit_code == 3, result.stderr
+
+
+def test_command_import_does_not_load_numpy() -> None:
+    code = "import sys, streamctl.commands.shard; assert 'numpy' not in sys.modules, 'numpy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_needs_no_data_reads(tmp_path: Path) -> None:
+    from checkpoints import counting
+
+    write_model(tmp_path / "hf", "llama-gqa")
+    source, store = counting(open_location(str(tmp_path / "hf")))
+    plan = plan_shard(source, open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2))
+    assert all(read[1] == 0 for read in store.reads)  # headers, index and config only
+    assert plan.total_bytes == sum(file.size for file in plan.files())
