@@ -17,7 +17,8 @@ except ImportError:  # pragma: no cover - an older Typer on the real Click
 from streamctl import __version__, output
 from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.commands._options import DebugOption, QuietOption
-from streamctl.commands.help import HelpCommand, HelpGroup, with_examples
+from streamctl.commands._environment import Command, Group, flag_from_environment
+from streamctl.commands.help import with_examples
 from streamctl.errors import Interrupted, StreamctlError, UsageError
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
@@ -33,7 +34,7 @@ TOP_LEVEL_EXAMPLES = (
 
 app = typer.Typer(
     name="streamctl",
-    cls=with_examples(HelpGroup, TOP_LEVEL_EXAMPLES),
+    cls=with_examples(Group, TOP_LEVEL_EXAMPLES),
     help="Stage LLM checkpoints into object storage and serve them with vLLM and the Run:ai Model Streamer.",
     no_args_is_help=True,
     add_completion=False,  # completions are generated and committed under completions/
@@ -71,14 +72,14 @@ def _reflowed_help(function: Callable[..., object]) -> str:
 
 for _name, _module in (("transfer", transfer), ("verify-index", verify_index), ("shard", shard), ("serve", serve)):
     app.command(
-        _name, no_args_is_help=True, help=_reflowed_help(_module.command), cls=with_examples(HelpCommand, _module.EXAMPLES)
+        _name, no_args_is_help=True, help=_reflowed_help(_module.command), cls=with_examples(Command, _module.EXAMPLES)
     )(_module.command)
 
 
 def _json_requested(arguments: list[str]) -> bool:
-    """`--json` among streamctl's own arguments (those after `--` belong to vLLM)."""
+    """`--json` among streamctl's own arguments (those after `--` belong to vLLM), or --json's variable."""
     own = arguments[: arguments.index("--")] if "--" in arguments else arguments
-    return "--json" in own
+    return "--json" in own or flag_from_environment("--json")
 
 
 def _click_error(error: click_errors.ClickException) -> StreamctlError:

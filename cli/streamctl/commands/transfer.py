@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -23,6 +23,9 @@ from streamctl.commands._options import (
     refuse_together,
     storage_options,
 )
+
+if TYPE_CHECKING:
+    from streamctl.transfer import TransferOptions
 
 
 class RepoType(str, Enum):
@@ -112,15 +115,7 @@ def command(
     refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
-        # The Job runs this same command line in the cluster: every option given here, in its own words.
-        arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
-        arguments += [f"--revision={revision}"] if revision else []
-        arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
-        arguments += ["--all-files"] * all_files + ["--follow-symlinks"] * follow_symlinks + ["--force"] * force + ["--no-verify"] * (not verify)
-        arguments += [f"--endpoint-url={endpoint_url}"] if endpoint_url else []
-        arguments += ["--path-style"] if path_style else []
-        arguments += [f"--azure-account={azure_account}"] if azure_account else []
-        _print_job(arguments, source_url, namespace, image, service_account, secret, token_given=bool(token))
+        _print_job(source_url, options, ctx.params)
         return
     storage = storage_options(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token,
@@ -133,29 +128,30 @@ def command(
     output.emit(result)
 
 
-def _print_job(
-    arguments: list[str],
-    source_url: str,
-    namespace: str,
-    image: Optional[str],
-    service_account: Optional[str],
-    secret: Optional[str],
-    token_given: bool,
-) -> None:
-    """The Kubernetes Job that runs `streamctl transfer ARGUMENTS` in the cluster, as YAML on stdout."""
+def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any]) -> None:
+    """The Kubernetes Job that runs this transfer in the cluster (every option given here, in its own words),
+    as YAML on stdout. `given` is the command's parameters by name."""
     from streamctl import __version__
     from streamctl.k8s import k8s_name, to_yaml, transfer_job
 
-    if token_given and not secret:
+    arguments = [source_url, given["dest"], "--part-size", given["part_size"], "--max-buffer", given["max_buffer"]]
+    arguments += ["-j", str(options.concurrency)] + ([f"--revision={given['revision']}"] if given["revision"] else [])
+    arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
+    arguments += ["--all-files"] * options.all_files + ["--follow-symlinks"] * given["follow_symlinks"]
+    arguments += ["--force"] * options.force + ["--no-verify"] * (not given["verify"])
+    arguments += [f"--endpoint-url={given['endpoint_url']}"] if given["endpoint_url"] else []
+    arguments += ["--path-style"] if given["path_style"] else []
+    arguments += [f"--azure-account={given['azure_account']}"] if given["azure_account"] else []
+    if given["token"] and not given["secret"]:
         output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
     job = transfer_job(
         arguments,
         name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
-        namespace=namespace,
-        image=image,
+        namespace=given["namespace"],
+        image=given["image"],
         version=__version__,
-        service_account=service_account,
-        secret=secret,
+        service_account=given["service_account"],
+        secret=given["secret"],
         env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
     )
     typer.echo(to_yaml(job), nl=False)
