@@ -85,7 +85,8 @@ def test_help_shows_defaults_ranges_and_env_vars_whole() -> None:
     assert "AZURE_STORAGE_ACCOUNT_NAME" in text
     assert "--dtype auto|bfloat16|float16|float32" in text
     serve = _help("serve")
-    assert "--preflight / --no-preflight" in serve and "[default: --preflight]" in serve
+    assert "--preflight / --no-preflight" in serve
+    assert "[default: --preflight; env: STREAMCTL_PREFLIGHT]" in " ".join(serve.split())
     assert "Usage: streamctl serve [OPTIONS] MODEL [VLLM_ARGS...]" in serve
 
 
