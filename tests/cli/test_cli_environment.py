@@ -164,6 +164,10 @@ def test_streamctl_json_makes_errors_json(monkeypatch: pytest.MonkeyPatch, capsy
     assert code == 2 and json.loads(stdout)["error"]["code"] == "unknown-option"
 
 
+# A variable read or set: a string that is just its name (Python), `$NAME`/`${NAME` or `NAME=` (shell).
+USE = r"[\"'](STREAMCTL_\w+)[\"']|\$\{?(STREAMCTL_\w+)|\b(STREAMCTL_\w+)="
+
+
 def test_option_variables_are_not_the_projects_other_variables() -> None:
     """STREAMCTL_AZURITE, STREAMCTL_LEASE_TTL, ... configure the tests and the library; no option may share a name
     with one (only --debug's STREAMCTL_DEBUG is both, on purpose: it is the same setting)."""
@@ -173,7 +177,7 @@ def test_option_variables_are_not_the_projects_other_variables() -> None:
         for path in place.rglob("*"):
             if path.is_file() and path.suffix in ("", ".py", ".sh", ".toml") and not path.is_relative_to(about_options[0]):
                 if path != about_options[1]:
-                    used |= set(re.findall(r"STREAMCTL_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")))
+                    used |= {"".join(names) for names in re.findall(USE, path.read_text(errors="replace"))}
     assert "STREAMCTL_AZURITE" in used and "STREAMCTL_LEASE_TTL" in used  # the scan itself works
     ours = {variable_name(option) for command in commands().values() for option in options(command)}
     assert ours & used == {"STREAMCTL_DEBUG"}
