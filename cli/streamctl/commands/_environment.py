@@ -5,7 +5,9 @@ turn it off), `--verify/--no-verify` STREAMCTL_VERIFY=0; a repeatable option tak
 The command line beats the environment. An option that already read a variable (--endpoint-url:
 AWS_ENDPOINT_URL, --token: HF_TOKEN, ...) reads it first, and a variable that sets the same thing in another
 tool's words (RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING for --path-style) keeps precedence over ours. A bad
-value from the environment is refused naming the variable.
+value from the environment is refused naming the variable. A value from the environment is a standing
+default, so the checks of what was typed (an option for another kind of location, two that contradict each
+other; commands/_options.py) never count it, as they never counted AWS_ENDPOINT_URL.
 """
 
 from __future__ import annotations
