@@ -32,7 +32,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from serve' -l path-style -l vi
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l azure-account -r -F -d 'Azure storage account for az:// URLs'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l json -d 'Print exactly one JSON document on stdout'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l quiet -o q -d 'No progress or logs on stderr'
-complete -c streamctl -n '__fish_seen_subcommand_from serve' -l debug -d 'Show tracebacks on errors'
+complete -c streamctl -n '__fish_seen_subcommand_from serve' -l debug -d 'Show tracebacks and debug logs'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l help -o h -d 'Show help and exit'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -F
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l tensor-parallel-size -o tp -r -F -d 'TP ranks to shard for'
@@ -50,7 +50,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from shard' -l path-style -l vi
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l azure-account -r -F -d 'Azure storage account for az:// URLs'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l json -d 'Print exactly one JSON document on stdout'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l quiet -o q -d 'No progress or logs on stderr'
-complete -c streamctl -n '__fish_seen_subcommand_from shard' -l debug -d 'Show tracebacks on errors'
+complete -c streamctl -n '__fish_seen_subcommand_from shard' -l debug -d 'Show tracebacks and debug logs'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -l help -o h -d 'Show help and exit'
 complete -c streamctl -n '__fish_seen_subcommand_from shard' -F
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l revision -r -F -d 'Branch, tag or commit (resolved to one commit)'
@@ -76,7 +76,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l path-style -l
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l azure-account -r -F -d 'Azure storage account for az:// URLs'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l json -d 'Print exactly one JSON document on stdout'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l quiet -o q -d 'No progress or logs on stderr'
-complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l debug -d 'Show tracebacks on errors'
+complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l debug -d 'Show tracebacks and debug logs'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -l help -o h -d 'Show help and exit'
 complete -c streamctl -n '__fish_seen_subcommand_from transfer' -F
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l index -r -F -d 'Index file name (default: model.safetensors.index.json if present)'
@@ -93,6 +93,6 @@ complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l path-styl
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l azure-account -r -F -d 'Azure storage account for az:// URLs'
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l json -d 'Print exactly one JSON document on stdout'
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l quiet -o q -d 'No progress or logs on stderr'
-complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l debug -d 'Show tracebacks on errors'
+complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l debug -d 'Show tracebacks and debug logs'
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -l help -o h -d 'Show help and exit'
 complete -c streamctl -n '__fish_seen_subcommand_from verify-index' -F

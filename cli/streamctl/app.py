@@ -16,11 +16,15 @@ except ImportError:  # pragma: no cover - an older Typer on the real Click
 
 from streamctl import __version__, output
 from streamctl.commands import serve, shard, transfer, verify_index
-from streamctl.commands.help import HelpCommand, HelpGroup, with_examples
-from streamctl.errors import EXIT_INTERRUPTED, Interrupted, StreamctlError, UsageError
+from streamctl.commands._options import DebugOption, QuietOption
+from streamctl.commands._environment import Command, Group, flag_from_environment
+from streamctl.commands.help import with_examples
+from streamctl.errors import Interrupted, StreamctlError, UsageError
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70
+# Ctrl-C, as a shell reports a command SIGINT stopped (128 + 2).
+EXIT_INTERRUPTED = 130
 
 TOP_LEVEL_EXAMPLES = (
     ("Copy a Hub model into a bucket, then check what arrived:", "streamctl transfer Qwen/Qwen3-0.6B gs://models/qwen3-0.6b"),
@@ -30,7 +34,7 @@ TOP_LEVEL_EXAMPLES = (
 
 app = typer.Typer(
     name="streamctl",
-    cls=with_examples(HelpGroup, TOP_LEVEL_EXAMPLES),
+    cls=with_examples(Group, TOP_LEVEL_EXAMPLES),
     help="Stage LLM checkpoints into object storage and serve them with vLLM and the Run:ai Model Streamer.",
     no_args_is_help=True,
     add_completion=False,  # completions are generated and committed under completions/
@@ -47,10 +51,8 @@ def _show_version(value: bool) -> None:
 
 @app.callback()
 def _global_options(
-    debug: Annotated[
-        bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")
-    ] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")] = False,
+    debug: DebugOption = False,
+    quiet: QuietOption = False,
     # A bool defaulting to False, not Optional[bool] = None: Typer coerces a None through pydantic (~40 ms
     # of every `streamctl COMMAND --help`), a bool it passes through.
     version: Annotated[
@@ -70,7 +72,7 @@ def _reflowed_help(function: Callable[..., object]) -> str:
 
 for _name, _module in (("transfer", transfer), ("verify-index", verify_index), ("shard", shard), ("serve", serve)):
     app.command(
-        _name, no_args_is_help=True, help=_reflowed_help(_module.command), cls=with_examples(HelpCommand, _module.EXAMPLES)
+        _name, no_args_is_help=True, help=_reflowed_help(_module.command), cls=with_examples(Command, _module.EXAMPLES)
     )(_module.command)
 
 
@@ -80,9 +82,9 @@ def command_group() -> object:
 
 
 def _json_requested(arguments: list[str]) -> bool:
-    """`--json` among streamctl's own arguments (those after `--` belong to vLLM)."""
+    """`--json` among streamctl's own arguments (those after `--` belong to vLLM), or --json's variable."""
     own = arguments[: arguments.index("--")] if "--" in arguments else arguments
-    return "--json" in own
+    return "--json" in own or flag_from_environment("--json")
 
 
 def _click_error(error: click_errors.ClickException) -> StreamctlError:
@@ -104,44 +106,37 @@ def _click_error(error: click_errors.ClickException) -> StreamctlError:
     return result
 
 
-def _main_with_json_errors() -> None:
-    """As `main`, for a command line with --json: every failure, Click's own included, is one JSON document."""
-    output.configure(json_output=True)
+def main() -> None:
+    """The one entry point. With --json among streamctl's own arguments every failure, Click's own included,
+    is one JSON document on stdout; without, Click prints its usage errors itself. Either way each failure
+    maps to its exit code here: StreamctlError's own, 130 for Ctrl-C, 70 for a bug."""
+    json_errors = _json_requested(sys.argv[1:])
+    if json_errors:
+        output.configure(json_output=True)
     try:
-        exit_code = app(prog_name="streamctl", standalone_mode=False)
-    except click_errors.ClickException as error:
-        streamctl_error = _click_error(error)
-        output.print_error(streamctl_error)
-        sys.exit(streamctl_error.exit_code)
+        # Standalone, Click prints its own errors and exits; Typer turns Ctrl-C inside a command into 130.
+        returned = app(prog_name="streamctl", standalone_mode=not json_errors)
+        exit_code = returned if isinstance(returned, int) else 0
+    except SystemExit as exit_:
+        if exit_.code != EXIT_INTERRUPTED:
+            raise
+        exit_code = EXIT_INTERRUPTED
+    except click_errors.ClickException as error:  # only with --json: not standalone
+        exit_code = _failed(_click_error(error))
     except StreamctlError as error:
-        output.print_error(error)
-        sys.exit(error.exit_code)
-    except (KeyboardInterrupt, typer.Abort):
+        exit_code = _failed(error)
+    except (KeyboardInterrupt, typer.Abort):  # outside a command
         exit_code = EXIT_INTERRUPTED
     except Exception as error:  # a bug: say so in one line, traceback only on request
         output.print_internal_error(error, EXIT_INTERNAL_ERROR)
-        sys.exit(EXIT_INTERNAL_ERROR)
-    if exit_code == EXIT_INTERRUPTED:  # Typer turns Ctrl-C inside a command into exit 130
-        output.print_error(Interrupted("interrupted"))
-    sys.exit(exit_code if isinstance(exit_code, int) else 0)
+        exit_code = EXIT_INTERNAL_ERROR
+    if exit_code == EXIT_INTERRUPTED:
+        interrupted = Interrupted("interrupted")
+        interrupted.exit_code = EXIT_INTERRUPTED
+        output.print_error(interrupted)
+    sys.exit(exit_code)
 
 
-def main() -> None:
-    if _json_requested(sys.argv[1:]):
-        _main_with_json_errors()
-        return
-    try:
-        app(prog_name="streamctl")
-    except StreamctlError as error:
-        output.print_error(error)
-        sys.exit(error.exit_code)
-    except KeyboardInterrupt:  # outside a command (Typer turns one inside into exit 130, silently)
-        output.print_error(Interrupted("interrupted"))
-        sys.exit(EXIT_INTERRUPTED)
-    except SystemExit as exit_:
-        if exit_.code == EXIT_INTERRUPTED:
-            output.print_error(Interrupted("interrupted"))
-        raise
-    except Exception as error:  # a bug: say so in one line, traceback only on request
-        output.print_internal_error(error, EXIT_INTERNAL_ERROR)
-        sys.exit(EXIT_INTERNAL_ERROR)
+def _failed(error: StreamctlError) -> int:
+    output.print_error(error)
+    return error.exit_code

@@ -3,12 +3,14 @@
 Every error carries a one-line message and, where one exists, a hint that names the fix, and a stable
 machine name (`code`) that `--json` prints in its error document; a case may name itself more precisely
 than its class (`UsageError(..., code="bad-option-value")`). `details` are extra top-level fields of that
-document (a pre-flight's findings, a shard run's result).
+document (a pre-flight's findings); `result`, where a failure has one, is the command's result (a shard
+run whose checks failed), shown with the error.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 class StreamctlError(Exception):
@@ -16,6 +18,8 @@ class StreamctlError(Exception):
 
     exit_code = 2
     code = "error"
+    # The command's result, where a failure has one (a shard run whose checks failed): shown with the error.
+    result: object | None = None
 
     def __init__(
         self, message: str, hint: str | None = None, *, code: str | None = None, details: dict[str, Any] | None = None
@@ -91,6 +95,27 @@ class PreflightFailed(VerificationFailed):
         self.report = report
 
 
+class _Findings(Protocol):
+    """What ChecksFailed reads of a verify report (streamctl.verify's VerifyReport)."""
+
+    @property
+    def errors(self) -> Sequence[object]: ...
+    @property
+    def warnings(self) -> Sequence[object]: ...
+    @property
+    def checkpoint(self) -> str: ...
+
+
+class ChecksFailed(VerificationFailed):
+    """Checks ran to the end and failed (verify-index's, or those after a transfer): `result` is the command's
+    whole answer, shown as on success (the report, or its JSON document with an `error` added) and no error
+    line under it: the report says what failed."""
+
+    def __init__(self, result: object, report: _Findings) -> None:
+        super().__init__(f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}")
+        self.result = result
+
+
 class DestinationBusy(StreamctlError):
     """Another run holds the DEST's lease and is alive, or took it from this run (see streamctl.lease).
 
@@ -117,12 +142,8 @@ class MissingProgramError(StreamctlError):
     code = "missing-program"
 
 
-EXIT_OK = 0
-EXIT_INTERRUPTED = 130
-
-
 class Interrupted(StreamctlError):
-    """Ctrl-C (SIGINT): the run stopped where it was; nothing half-written is under a final name."""
+    """Ctrl-C (SIGINT): the run stopped where it was; nothing half-written is under a final name. Its exit
+    code (130, as a shell's) is set where app.py maps it, with the other codes no library error carries."""
 
-    exit_code = EXIT_INTERRUPTED
     code = "interrupted"

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,7 @@ from rich.markup import escape
 from rich.text import Text
 
 from streamctl import sdklogging
-from streamctl.errors import StreamctlError
+from streamctl.errors import ChecksFailed, StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.redact import for_display, mask_credentials
 from streamctl.words import plural
@@ -30,7 +30,7 @@ from streamctl.words import plural
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
 
-    from streamctl.transfer import TransferPlan, TransferResult
+    from streamctl.transfer import TransferPlan, TransferResult, TransferRun
     from streamctl.serve.tune import TuneResult
     from streamctl.verify.report import VerifyReport
 
@@ -126,21 +126,32 @@ def print_error_document(
     print_json({**(details or {}), "ok": False, "error": error_json(code, exit_code, message, hint)})
 
 
-def verify_document(report: VerifyReport, strict: bool = False) -> dict[str, Any]:
-    """`verify-index --json`'s document; a failed check (errors, or warnings with `strict`) has an `error`."""
-    document = report.to_json()
-    if not report.ok or (strict and report.warnings):
-        document["ok"] = False
-        message = f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}"
-        document["error"] = error_json("verification-failed", 1, message, None)
-    return document
+def emit(result: Any) -> None:
+    """The command's result on stdout: its own JSON document (`to_json()`) with --json, else its report for a
+    person, drawn by the renderer this module keeps for its type. The one place that makes that choice."""
+    if settings.json:
+        print_json(result.to_json())
+    else:
+        _renderer(RENDERERS, result)(result)
 
 
 def print_error(error: StreamctlError) -> None:
     """One line each for the error and its hint, however long (soft_wrap: Rich inserts no line breaks, so
-    a long path is never split in a log, and the terminal wraps for the eye)."""
+    a long path is never split in a log, and the terminal wraps for the eye). A failure that carries the
+    command's result shows that too: with --json as the document's fields; else its report (ChecksFailed:
+    the report alone, as verify-index has always printed it)."""
+    result = error.result
+    if isinstance(error, ChecksFailed):
+        if settings.json:
+            print_error_document(error.code, error.exit_code, error.message, error.hint, result.to_json())  # type: ignore[attr-defined]
+        else:
+            _renderer(RENDERERS, result)(result)
+        return
     if settings.json:
-        print_error_document(error.code, error.exit_code, error.message, error.hint, error.details)
+        details = error.details if error.details is not None or result is None else result.to_json()  # type: ignore[attr-defined]
+        print_error_document(error.code, error.exit_code, error.message, error.hint, details)
+    elif result is not None and type(result).__qualname__ in FAILURE_RENDERERS:
+        FAILURE_RENDERERS[type(result).__qualname__](result)
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
@@ -421,6 +432,19 @@ def render_transfer_result(result: TransferResult) -> None:
     ], separator=" ")  # fmt: skip
 
 
+def render_transfer_run(run: TransferRun) -> None:
+    """The copy, then the check of DEST after it where that found anything (warnings too, as verify-index)."""
+    render_transfer_result(run.result)
+    if run.verify is not None and (not run.verify.ok or run.verify.warnings):
+        render_verify_report(run.verify)
+
+
+def log_transfer_plan(plan: TransferPlan) -> None:
+    """The plan on stderr before copying, where progress shows at all."""
+    if chatty():
+        render_transfer_plan(plan, to_stderr=True)
+
+
 def render_tune_result(result: TuneResult) -> None:
     from rich.table import Table
 
@@ -493,3 +517,23 @@ def render_shard_checks(result: ShardResult) -> None:
         compared = human_bytes(reconstruction.bytes_compared)
         rebuilt = [state, f"({plural(reconstruction.tensors, 'source tensor')},", f"{compared} compared)"]
     print_phrases(console, ["checks:", "verify-index --sharded", f"{verify};", "reconstruction", *rebuilt], separator=" ")
+
+
+# =========================================================================================================
+# which renderer draws which result (by class name: the library's modules are imported only when used)
+
+RENDERERS: dict[str, Callable[[Any], None]] = {
+    "VerifyReport": render_verify_report,
+    "TransferPlan": render_transfer_plan,
+    "TransferRun": render_transfer_run,
+    "ShardResult": render_shard_result,
+}
+# Shown above the error line of a failure that carries a result (a shard run whose checks failed).
+FAILURE_RENDERERS: dict[str, Callable[[Any], None]] = {"ShardResult": render_shard_checks}
+
+
+def _renderer(table: dict[str, Callable[[Any], None]], result: object) -> Callable[[Any], None]:
+    name = type(result).__qualname__
+    if name not in table:
+        raise TypeError(f"output has no renderer for {name}")  # a bug: a new result type needs one here
+    return table[name]

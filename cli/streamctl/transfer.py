@@ -19,10 +19,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal
 
 from streamctl.errors import (
+    ChecksFailed,
     IntegrityError,
     NotFoundError,
     RemoteError,
@@ -54,7 +55,7 @@ from streamctl.lease import Lease, hold_lease
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage.base import is_safe_relative_path
-from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo
+from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo, StorageOptions
 from streamctl.storage import deadlines
 from streamctl.uploads import (
     SHA256_KEY,
@@ -66,6 +67,9 @@ from streamctl.uploads import (
     part_size_for,
     write_manifest,
 )
+
+if TYPE_CHECKING:
+    from streamctl.verify.report import VerifyReport
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -631,3 +635,54 @@ def _execute_transfer(
     return TransferResult(
         plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
     )
+
+
+# ------------------------------------------------------------------------------------------ one run
+
+
+@dataclass(frozen=True)
+class TransferRun:
+    """What `streamctl transfer` did: the copy, and the check of DEST after it (None: not checked)."""
+
+    result: TransferResult
+    verify: VerifyReport | None
+
+    def to_json(self) -> dict[str, object]:
+        return {**self.result.to_json(), "verify": self.verify.to_json() if self.verify is not None else None}
+
+
+def run_transfer(
+    source_url: str,
+    dest_url: str,
+    options: TransferOptions,
+    storage: StorageOptions,
+    progress: Progress = NULL_PROGRESS,
+    *,
+    dry_run: bool = False,
+    verify: bool = True,
+    on_plan: Callable[[TransferPlan], None] = lambda plan: None,
+) -> TransferPlan | TransferRun:
+    """The whole transfer: open both sides, plan (the plan is the answer with `dry_run`; else `on_plan` sees it
+    before anything is written), copy, then verify-index DEST when safetensors were among the files, as
+    shard checks what it wrote. A check that fails raises ChecksFailed carrying the run (exit 1)."""
+    from streamctl.memory import return_large_buffers_to_the_os
+    from streamctl.storage import open_destination, open_location
+    from streamctl.storage.url import source_identity
+    from streamctl.verify.run import verify_checkpoint
+
+    options.validate()
+    return_large_buffers_to_the_os()
+    source = open_location(source_url, storage)
+    dest = open_destination(dest_url, replace(storage, follow_symlinks=False))  # nothing is written through a link
+    plan = plan_transfer(source, dest, source_identity(source), options)
+    if dry_run:
+        return plan
+    on_plan(plan)
+    result = execute_transfer(plan, source, dest, options, progress)
+    report = None
+    if verify and any(file.path.endswith(".safetensors") for file in plan.files):
+        report = verify_checkpoint(dest)
+    run = TransferRun(result, report)
+    if report is not None and not report.ok:
+        raise ChecksFailed(run, report)
+    return run

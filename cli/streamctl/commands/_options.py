@@ -1,17 +1,22 @@
-"""Options shared by several commands, declared once."""
+"""Options shared by several commands, declared once, and the checks and builders the commands share."""
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from streamctl import output
 
+if TYPE_CHECKING:
+    from streamctl.storage.base import StorageOptions
+
 JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+# --debug and --quiet are accepted before the command (`streamctl --debug transfer ...`) and after it; both
+# places use these declarations.
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
 DebugOption = Annotated[
-    bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks on errors.")
+    bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")
 ]
 EndpointOption = Annotated[
     Optional[str],
@@ -62,6 +67,31 @@ HfTokenOption = Annotated[
 
 def apply_output_flags(json_output: bool, quiet: bool, debug: bool) -> None:
     output.configure(json_output=json_output, quiet=quiet, debug=debug)
+
+
+def storage_options(
+    *,
+    endpoint_url: str | None = None,
+    path_style: bool | None = None,
+    azure_account: str | None = None,
+    token: str | None = None,
+    revision: str | None = None,
+    repo_type: str | None = None,
+    follow_symlinks: bool = False,
+) -> StorageOptions:
+    """The storage and Hub options of a command line as the library takes them (each command passes those it
+    has; the rest keep their defaults)."""
+    from streamctl.storage.base import StorageOptions
+
+    return StorageOptions(
+        endpoint_url=endpoint_url,
+        path_style=path_style,
+        azure_account=azure_account,
+        hf_token=token,
+        hf_revision=revision,
+        hf_repo_type=repo_type,
+        follow_symlinks=follow_symlinks,
+    )
 
 
 # ---------------------------------------------------------------------------------------- option scope

@@ -21,6 +21,7 @@ from streamctl.commands._options import (
     QuietOption,
     apply_output_flags,
     check_option_scope,
+    storage_options,
 )
 
 
@@ -106,9 +107,9 @@ def command(
     apply_output_flags(json_output, quiet, debug)
     from streamctl.limits import MAX_OBJECT_SIZE
     from streamctl.memory import keep_freed_buffers_in_the_heap
-    from streamctl.shard.run import ShardCheckFailed, ShardOptions, shard_checkpoint
+    from streamctl.shard.run import ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
-    from streamctl.storage import StorageOptions, open_destination, open_location
+    from streamctl.storage import open_destination, open_location
     from streamctl.storage.url import pinned_source, resolve_source_url
 
     options = ShardOptions(
@@ -126,24 +127,12 @@ def command(
     source_url = resolve_source_url(source)
     check_option_scope(ctx, [source_url, dest])
     keep_freed_buffers_in_the_heap()
-    storage = StorageOptions(
-        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, hf_token=token
-    )
+    storage = storage_options(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token)
     source_location = open_location(source_url, replace(storage, follow_symlinks=follow_symlinks))
     dest_location = open_destination(dest, storage)
-    try:
-        with output.progress(byte_counts=True) as progress:
-            result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
-    except ShardCheckFailed as failure:
-        if output.settings.json:
-            failure.details = failure.result.to_json()  # printed with the error, as one document
-        else:
-            output.render_shard_checks(failure.result)
-        raise
-    if output.settings.json:
-        output.print_json(result.to_json())
-    else:
-        output.render_shard_result(result)
+    with output.progress(byte_counts=True) as progress:
+        result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
+    output.emit(result)
 
 
 # The last section of `streamctl shard --help` (each command line fits 80 columns).

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -21,7 +21,11 @@ from streamctl.commands._options import (
     check_mode_options,
     check_option_scope,
     refuse_together,
+    storage_options,
 )
+
+if TYPE_CHECKING:
+    from streamctl.transfer import TransferOptions
 
 
 class RepoType(str, Enum):
@@ -89,17 +93,10 @@ def command(
     lists what is left out and why. Re-runs skip objects whose size and sha256 already match.
     """
     apply_output_flags(json_output, quiet, debug)
-    from streamctl.k8s import k8s_name, to_yaml, transfer_job
     from streamctl.limits import MAX_BUFFER, MAX_PART_SIZE
-    from streamctl.memory import return_large_buffers_to_the_os
     from streamctl.sizes import parse_size
-    from streamctl.storage import StorageOptions, open_destination, open_location
-    from streamctl.transfer import (
-        TransferOptions,
-        execute_transfer,
-        plan_transfer,
-    )
-    from streamctl.storage.url import resolve_source_url, source_identity
+    from streamctl.storage.url import resolve_source_url
+    from streamctl.transfer import TransferOptions, run_transfer
 
     options = TransferOptions(
         include=tuple(include or ()),
@@ -118,72 +115,46 @@ def command(
     refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
-        arguments = [source_url, dest, "--part-size", part_size, "--max-buffer", max_buffer, "-j", str(concurrency)]
-        arguments += [f"--revision={revision}"] if revision else []
-        arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
-        arguments += ["--all-files"] * all_files + ["--follow-symlinks"] * follow_symlinks + ["--force"] * force + ["--no-verify"] * (not verify)
-        arguments += [f"--endpoint-url={endpoint_url}"] if endpoint_url else []
-        arguments += ["--path-style"] if path_style else []
-        arguments += [f"--azure-account={azure_account}"] if azure_account else []
-        env = {"STREAMCTL_DEBUG": "1"} if output.settings.debug else {}
-        if token and not secret:
-            output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
-        from streamctl import __version__
-
-        job = transfer_job(
-            arguments,
-            name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
-            namespace=namespace,
-            image=image,
-            version=__version__,
-            service_account=service_account,
-            secret=secret,
-            env=env,
-        )
-        typer.echo(to_yaml(job), nl=False)
+        _print_job(source_url, options, ctx.params)
         return
-
-    return_large_buffers_to_the_os()
-    storage = dict(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account)
-    source_location = open_location(
-        source_url,
-        StorageOptions(
-            hf_token=token,
-            hf_revision=revision,
-            hf_repo_type=repo_type.value if repo_type else None,
-            follow_symlinks=follow_symlinks,
-            **storage,
-        ),
-    )
-    dest_location = open_destination(dest, StorageOptions(**storage))
-    plan = plan_transfer(source_location, dest_location, source_identity(source_location), options)
-    if dry_run:
-        if output.settings.json:
-            output.print_json(plan.to_json())
-        else:
-            output.render_transfer_plan(plan)
-        return
-    if output.chatty():
-        output.render_transfer_plan(plan, to_stderr=True)
+    storage = storage_options(
+        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token,
+        revision=revision, repo_type=repo_type.value if repo_type else None, follow_symlinks=follow_symlinks,
+    )  # fmt: skip
     with output.progress(byte_counts=True) as progress:
-        result = execute_transfer(plan, source_location, dest_location, options, progress)
-    report = None
-    if verify and any(file.path.endswith(".safetensors") for file in plan.files):
-        from streamctl.verify.run import verify_checkpoint
+        result = run_transfer(
+            source_url, dest, options, storage, progress, dry_run=dry_run, verify=verify, on_plan=output.log_transfer_plan
+        )
+    output.emit(result)
 
-        report = verify_checkpoint(dest_location)
-    if output.settings.json:
-        document = result.to_json()
-        document["verify"] = report.to_json() if report else None
-        if report is not None and not report.ok:
-            document.update(ok=False, error=output.verify_document(report)["error"])
-        output.print_json(document)
-    else:
-        output.render_transfer_result(result)
-        if report is not None and (not report.ok or report.warnings):  # warnings too, as verify-index shows them
-            output.render_verify_report(report)
-    if report is not None and not report.ok:
-        raise typer.Exit(1)
+
+def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any]) -> None:
+    """The Kubernetes Job that runs this transfer in the cluster (every option given here, in its own words),
+    as YAML on stdout. `given` is the command's parameters by name."""
+    from streamctl import __version__
+    from streamctl.k8s import k8s_name, to_yaml, transfer_job
+
+    arguments = [source_url, given["dest"], "--part-size", given["part_size"], "--max-buffer", given["max_buffer"]]
+    arguments += ["-j", str(options.concurrency)] + ([f"--revision={given['revision']}"] if given["revision"] else [])
+    arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
+    arguments += ["--all-files"] * options.all_files + ["--follow-symlinks"] * given["follow_symlinks"]
+    arguments += ["--force"] * options.force + ["--no-verify"] * (not given["verify"])
+    arguments += [f"--endpoint-url={given['endpoint_url']}"] if given["endpoint_url"] else []
+    arguments += ["--path-style"] if given["path_style"] else []
+    arguments += [f"--azure-account={given['azure_account']}"] if given["azure_account"] else []
+    if given["token"] and not given["secret"]:
+        output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
+    job = transfer_job(
+        arguments,
+        name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
+        namespace=given["namespace"],
+        image=given["image"],
+        version=__version__,
+        service_account=given["service_account"],
+        secret=given["secret"],
+        env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
+    )
+    typer.echo(to_yaml(job), nl=False)
 
 
 # The last section of `streamctl transfer --help` (each command line fits 80 columns).

@@ -17,6 +17,7 @@ from streamctl.commands._options import (
     QuietOption,
     apply_output_flags,
     check_option_scope,
+    storage_options,
 )
 
 
@@ -75,21 +76,17 @@ def command(
     Exit 0 when clean, 1 when any error is found (or any warning with --strict).
     """
     apply_output_flags(json_output, quiet, debug)
-    from streamctl.storage import StorageOptions, open_location
+    from streamctl.errors import ChecksFailed
+    from streamctl.storage import open_location
     from streamctl.verify.report import VerifyOptions, parse_expectation
     from streamctl.verify.run import verify_checkpoint
 
     check_option_scope(ctx, [checkpoint])
     expectations = tuple(parse_expectation(text) for text in expect or ())
-    location = open_location(
-        checkpoint,
-        StorageOptions(
-            endpoint_url=endpoint_url,
-            path_style=path_style,
-            azure_account=azure_account,
-            follow_symlinks=follow_symlinks,
-        ),
+    storage = storage_options(
+        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, follow_symlinks=follow_symlinks
     )
+    location = open_location(checkpoint, storage)
     options = VerifyOptions(
         index_name=index,
         expectations=expectations,
@@ -101,12 +98,9 @@ def command(
     )
     with output.progress() as progress:
         report = verify_checkpoint(location, options, progress)
-    if output.settings.json:
-        output.print_json(output.verify_document(report, strict))
-    else:
-        output.render_verify_report(report)
     if not report.ok or (strict and report.warnings):
-        raise typer.Exit(1)
+        raise ChecksFailed(report, report)
+    output.emit(report)
 
 
 # The last section of `streamctl verify-index --help` (each command line fits 80 columns).
