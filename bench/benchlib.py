@@ -158,8 +158,14 @@ def start_threaded_gcs(workdir: Path, link: Any = None) -> servers.GCSServer:
     server = start_server(
         "gcs-emulator-threaded",
         lambda host, port: [
-            sys.executable, str(BENCH_DIR / "threaded_gcs.py"), "start",
-            "--host", host, "--port", str(port), "--in-memory",
+            sys.executable,
+            str(BENCH_DIR / "threaded_gcs.py"),
+            "start",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--in-memory",
         ],  # fmt: skip
         "/",
         workdir,

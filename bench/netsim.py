@@ -345,14 +345,14 @@ class KernelLink:
     @staticmethod
     def remove_stale() -> None:
         """Remove what a killed earlier run left (its namespace is named after its pid, now gone)."""
-        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)  # noqa: PLW1510
+        listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20)
         for line in listing.stdout.splitlines():
             name = line.split()[0] if line.split() else ""
             tag = name.removeprefix("streamctl-bench-")
             if tag != name and tag.isdigit() and not Path(f"/proc/{tag}").exists():
                 for argv in (["ip", "link", "del", f"sbl{tag}"], ["ip", "link", "del", f"sbd{tag}"],
                              ["ip", "netns", "del", name]):  # fmt: skip
-                    subprocess.run(argv, capture_output=True, timeout=20)  # noqa: PLW1510 - best effort
+                    subprocess.run(argv, capture_output=True, timeout=20)
 
     def start(self) -> KernelLink:
         ns = ["-n", self.netns]
@@ -403,7 +403,7 @@ class KernelLink:
         self.stats = LinkStats(bytes_up=max(0, self._tx_bytes() - self._tx_start))
         for argv in (["ip", "link", "del", self.shaped_dev], ["ip", "link", "del", self.direct_dev],
                      ["ip", "netns", "del", self.netns]):  # fmt: skip
-            subprocess.run(argv, capture_output=True, timeout=20)  # noqa: PLW1510 - best effort
+            subprocess.run(argv, capture_output=True, timeout=20)
         self._created.clear()
 
     @property

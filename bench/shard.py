@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from benchlib import (
     STREAMCTL,
     MiB,
@@ -199,9 +200,7 @@ def main() -> int:
             )
         cp_seconds = median(cp_runs)
         cp_rate = cp_bytes / cp_seconds
-        table = Table(
-            ["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "peak RSS"]
-        )
+        table = Table(["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "peak RSS"])
         table.add("cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", "")
         verdicts = []
         targets = Targets()

@@ -238,8 +238,9 @@ def calibrate(destination: Destination, link: Any, hub: Any, hub_files: dict[str
     parts = 8 if quick else 16
     single = 64 * MiB if quick else 256 * MiB
     rates = [
-        timed_uploads(direct, bucket, f"server, no link, 1 stream of {single // MiB} MiB",
-                      [part * (single // PART)], 1),  # fmt: skip
+        timed_uploads(
+            direct, bucket, f"server, no link, 1 stream of {single // MiB} MiB", [part * (single // PART)], 1
+        ),  # fmt: skip
         timed_uploads(direct, bucket, f"server, no link, {parts} x 16 MiB on 16 threads", [part] * parts, 16),
         timed_uploads(linked, bucket, "link, 1 connection, 2 x 16 MiB", [part] * 2, 1),
         timed_uploads(linked, bucket, f"link, 16 connections, {2 * parts} x 16 MiB", [part] * (2 * parts), 16),
@@ -405,7 +406,9 @@ def run_bare(bench: Bench, round_number: int) -> MethodResult:
          "--threads", str(args.concurrency), "--part-size-mib", str(PART // MiB)], "bare copier",
     )  # fmt: skip
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    landed = bench.check_landed("bare copier", bucket, [entry["path"] for entry in json.loads(bench.plan_path.read_text())])
+    landed = bench.check_landed(
+        "bare copier", bucket, [entry["path"] for entry in json.loads(bench.plan_path.read_text())]
+    )
     detail = f"copy {report['seconds']:.1f} s; {landed}"
     return MethodResult(f"bare copier ({args.concurrency} threads)", round_number, run, report["files"],
                         report["bytes"], detail, server_cpu, link_cpu)  # fmt: skip
@@ -512,7 +515,9 @@ def print_ratios(ours: list[MethodResult], bare: list[MethodResult], seed: Metho
         table.add(f"share of the bare copier's speed, round {mine.round}", f"{theirs.run.seconds / mine.run.seconds:.0%}",
                   f"{theirs.run.seconds:.1f} s / {mine.run.seconds:.1f} s")  # fmt: skip
     ours_s, bare_s = sum(r.run.seconds for r in ours), sum(r.run.seconds for r in bare)
-    table.add("share of the bare copier's speed, all rounds", f"{bare_s / ours_s:.0%}", f"{bare_s:.1f} s / {ours_s:.1f} s")
+    table.add(
+        "share of the bare copier's speed, all rounds", f"{bare_s / ours_s:.0%}", f"{bare_s:.1f} s / {ours_s:.1f} s"
+    )
     ours_cpu = sum(r.run.cpu_s for r in ours) / (sum(r.bytes for r in ours) / 1e9)
     bare_cpu = sum(r.run.cpu_s for r in bare) / (sum(r.bytes for r in bare) / 1e9)
     table.add("streamctl CPU per GB / floor", f"{ours_cpu / floor:.2f}x", f"{ours_cpu:.2f} / {floor:.2f} s/GB")
@@ -553,8 +558,13 @@ def check_targets(ours: list[MethodResult], bare: list[MethodResult], seed: Meth
                         f"{peak / MiB:.0f} MiB (bare copier {max(r.run.peak_rss for r in bare) / MiB:.0f} MiB, "
                         f"seed method {seed.run.peak_rss / MiB:.0f} MiB)"))  # fmt: skip
     speedup = seed.run.seconds / min(r.run.seconds for r in ours)
-    print(targets.check(speedup >= TARGET_SPEEDUP, f">= {TARGET_SPEEDUP:g}x faster than the seed method",
-                        f"{speedup:.2f}x ({seed.run.seconds:.1f} s / {min(r.run.seconds for r in ours):.1f} s)"))
+    print(
+        targets.check(
+            speedup >= TARGET_SPEEDUP,
+            f">= {TARGET_SPEEDUP:g}x faster than the seed method",
+            f"{speedup:.2f}x ({seed.run.seconds:.1f} s / {min(r.run.seconds for r in ours):.1f} s)",
+        )
+    )
     disk = max(r.run.peak_disk for r in ours)
     print(targets.check(disk <= TARGET_DISK, "no local copy (streamctl disk growth <= 16 MiB)",
                         f"{human_bytes(disk)} under its HOME/HF_HOME/TMPDIR "
@@ -577,7 +587,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 60 s): a 128 MiB repo, 1 round")
     parser.add_argument("--size-gib", type=float, default=None, help="repo size (default 1, --quick 0.125)")
-    parser.add_argument("--rounds", type=int, default=None, help="streamctl / bare copier rounds (default 2, --quick 1)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help="streamctl / bare copier rounds (default 2, --quick 1)"
+    )
     parser.add_argument("--rate-mb-s", type=float, default=25.0, help="per-connection cap of the link, MB/s")
     parser.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay of the link")
     parser.add_argument("--dest", choices=("gs", "s3"), default="gs", help="destination store (default gs)")
@@ -618,8 +630,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         try:
             rates = calibrate(destination, link, hub, hub_files, args.quick)
-            bench = Bench(args, destination, link, hub, hub_files, base_env,
-                          {"HF_ENDPOINT": hub.endpoint, **destination.env(link.url)}, scratch, scratch / "plan.json")
+            bench = Bench(
+                args,
+                destination,
+                link,
+                hub,
+                hub_files,
+                base_env,
+                {"HF_ENDPOINT": hub.endpoint, **destination.env(link.url)},
+                scratch,
+                scratch / "plan.json",
+            )
             ours: list[MethodResult] = []
             bare: list[MethodResult] = []
             for round_number in range(1, args.rounds + 1):  # alternate who goes first: drift hits both alike
@@ -654,7 +675,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     targets = check_targets(ours, bare, seed, floor, args.quick)
     load_end = os.getloadavg()[0]
-    busy = " (above the core count: other work competed for the CPU)" if max(load_start, load_end) > (os.cpu_count() or 1) else ""
+    busy = (
+        " (above the core count: other work competed for the CPU)"
+        if max(load_start, load_end) > (os.cpu_count() or 1)
+        else ""
+    )
     print("CPU: the method's process (user+sys); server CPU / link CPU: the destination server's and the link's "
           f"processes while it ran. {os.cpu_count()} cores; load average at start / end "
           f"{load_start:.1f} / {load_end:.1f}{busy}")  # fmt: skip

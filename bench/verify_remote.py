@@ -429,8 +429,10 @@ def main(argv: list[str] | None = None) -> int:
                             f"{round_trips:.1f} round trips (slope of wall time from RTT {ms(rtt)} to "
                             f"{ms(slow_rtt)}: {ms(ours.seconds)} -> {ms(slow.seconds)}); ideal {waves} header "
                             f"waves + 5 allowed = {waves + 5}"))  # fmt: skip
-    print(f"\n{os.cpu_count()} cores; load average at start / end {load_start:.1f} / {os.getloadavg()[0]:.1f}; "
-          f"benchmark wall time {time.monotonic() - bench_started:.0f} s")
+    print(
+        f"\n{os.cpu_count()} cores; load average at start / end {load_start:.1f} / {os.getloadavg()[0]:.1f}; "
+        f"benchmark wall time {time.monotonic() - bench_started:.0f} s"
+    )
     return targets.exit_status()
 
 

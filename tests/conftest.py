@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from servers import GCS_PROJECT, AzureServer, GCSServer, S3Server, ServerUnavailable, StorageServers
 
 # =========================================================================================================
@@ -164,7 +165,7 @@ import tempfile as _ng_tempfile
 
 _NETGUARD_DIR = str(Path(__file__).resolve().parent / "netguard")
 _ng_sys.path.insert(0, _NETGUARD_DIR)
-import sitecustomize as _netguard  # noqa: E402,F401 - installs the guard in this process
+import sitecustomize as _netguard  # noqa: F401 - installs the guard in this process
 
 _ng_sys.path.remove(_NETGUARD_DIR)
 _NETGUARD_LOG = _ng_tempfile.NamedTemporaryFile(prefix="streamctl-netguard-", suffix=".log", delete=False).name
@@ -219,7 +220,7 @@ import pytest as _hf_pytest
 if str(_HfPath(__file__).resolve().parent) not in _hf_sys.path:
     _hf_sys.path.insert(0, str(_HfPath(__file__).resolve().parent))  # so `import fakehub` works in any import mode
 
-from fakehub import FakeHub  # noqa: E402
+from fakehub import FakeHub
 
 _HF_IMPORTED_TOO_EARLY = "huggingface_hub" in _hf_sys.modules
 _FAKE_HUB = FakeHub().start()  # served from now on, so a stray hf:// call gets an answer, never a hang
@@ -271,7 +272,7 @@ def fake_hub(fake_hub_server: FakeHub, tmp_path: _HfPath, monkeypatch: _hf_pytes
     """
     from huggingface_hub import constants
 
-    if _HF_IMPORTED_TOO_EARLY or constants.ENDPOINT != fake_hub_server.endpoint:
+    if _HF_IMPORTED_TOO_EARLY or fake_hub_server.endpoint != constants.ENDPOINT:
         _hf_pytest.fail(
             "huggingface_hub was imported before tests/conftest.py set HF_ENDPOINT, so it talks to "
             f"{constants.ENDPOINT} instead of the fake hub: move that import into a test or fixture"

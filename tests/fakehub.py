@@ -214,7 +214,7 @@ def _error(status: int, code: str | None, message: str) -> Response:
     return _json(status, {"error": message}, headers)
 
 
-def _parse_range(header: str | None, size: int) -> tuple[int, int] | None | Literal["unsatisfiable"]:
+def _parse_range(header: str | None, size: int) -> tuple[int, int] | Literal["unsatisfiable"] | None:
     """One `bytes=` range -> (start, end exclusive); None to serve the whole object (absent or multi-range)."""
     if not header or not header.startswith("bytes=") or "," in header:
         return None
@@ -306,7 +306,7 @@ class _Handler(BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # headers and body go in separate writes: avoid 40 ms delayed-ACK stalls
     server: _Server
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - keep test output quiet
+    def log_message(self, format: str, *args: object) -> None:
         return
 
     def do_GET(self) -> None:
@@ -418,9 +418,7 @@ class FakeHub:
                 if path.is_file():
                     contents[path.relative_to(root).as_posix()] = path.read_bytes()
         contents.update(files or {})
-        repo = FakeRepo(
-            self, repo_id, repo_type, gated, private, set(granted), lfs_suffixes, lfs_threshold
-        )
+        repo = FakeRepo(self, repo_id, repo_type, gated, private, set(granted), lfs_suffixes, lfs_threshold)
         with self._lock:
             self._repos[(repo_type, repo_id)] = repo
         repo.commit(contents)
@@ -632,7 +630,7 @@ class FakeHub:
         if sha is None:
             return _error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
         if not _is_folder(files, folder):
-            return _error(404, "EntryNotFound", f"{folder} does not exist on \"{revision}\"")
+            return _error(404, "EntryNotFound", f'{folder} does not exist on "{revision}"')
         recursive = query.get("recursive", ["false"])[0].lower() in ("true", "1")
         entries = tree_entries(files, folder, recursive)
         cursor = int(query.get("cursor", ["0"])[0])
@@ -644,9 +642,7 @@ class FakeHub:
             headers.append(("Link", f'<{self.endpoint}{raw_path}?{urlencode(next_query)}>; rel="next"'))
         return _json(200, page, headers)
 
-    def _paths_info(
-        self, handler: _Handler, repo_type: str, repo_id: str, revision: str, paths: list[str]
-    ) -> Response:
+    def _paths_info(self, handler: _Handler, repo_type: str, repo_id: str, revision: str, paths: list[str]) -> Response:
         repo, denied = self._access(handler, repo_type, repo_id, files=False)
         if denied is not None:
             return denied

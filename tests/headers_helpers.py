@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from streamctl import app as app_module
 from streamctl import output
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 import sys
 import textwrap
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 
@@ -36,7 +36,7 @@ def patch_moto() -> None:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         self.streamctl_initiated = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
 
     models.FakeMultipart.__init__ = init
@@ -45,7 +45,7 @@ def patch_moto() -> None:
         raise RuntimeError("moto's list_multipart_uploads changed; update tests/patched_servers.py")
     source = source.replace(_MOTO_FIXED_INITIATED, '"Initiated": upload.streamctl_initiated')
     namespace: dict[str, Any] = {}
-    exec(compile(source, responses.__file__, "exec"), vars(responses), namespace)  # noqa: S102 - test harness
+    exec(compile(source, responses.__file__, "exec"), vars(responses), namespace)
     responses.S3Response.list_multipart_uploads = namespace["list_multipart_uploads"]
 
 

@@ -9,6 +9,7 @@ import struct
 from typing import Any
 
 from hypothesis import strategies as st
+
 from streamctl.checkpoint.safetensors import safetensors_bytes
 
 BASE_TENSORS: list[tuple[str, str, list[int], bytes]] = [

@@ -249,8 +249,15 @@ def start_gcs(workdir: Path) -> GCSServer:
     server = start_process(
         "gcs-emulator",
         lambda port: [  # gcp_storage_emulator, with GCS's ifGenerationMatch (see patched_servers.py)
-            sys.executable, str(PATCHED_SERVERS), "gcs", "start",
-            "--host", "127.0.0.1", "--port", str(port), "--in-memory",
+            sys.executable,
+            str(PATCHED_SERVERS),
+            "gcs",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--in-memory",
         ],  # fmt: skip
         "/",
         workdir,
@@ -321,8 +328,14 @@ def start_azurite(workdir: Path) -> AzureServer:
     server = start_process(
         "azurite",
         lambda port: [
-            binary, "--blobHost", "127.0.0.1", "--blobPort", str(port),
-            "--skipApiVersionCheck", "--disableTelemetry", "--inMemoryPersistence",
+            binary,
+            "--blobHost",
+            "127.0.0.1",
+            "--blobPort",
+            str(port),
+            "--skipApiVersionCheck",
+            "--disableTelemetry",
+            "--inMemoryPersistence",
         ],  # fmt: skip
         f"/{AZURITE_ACCOUNT}?comp=list",
         workdir,

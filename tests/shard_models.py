@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from streamctl.checkpoint.safetensors import parse_safetensors_bytes, safetensors_bytes
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint

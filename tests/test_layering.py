@@ -34,7 +34,6 @@ SDK_HOMES = {
 BACKEND_MODULES = tuple(f"streamctl.storage.{name}" for name in ("local", "s3", "gcs", "azure", "hf"))
 FUNCTION_BODY_LIMIT = 80
 COMMAND_BODY_LIMIT = 40
-IN_PROGRESS = pytest.mark.xfail(strict=False, reason="issue 11 split in progress")
 
 
 @dataclass(frozen=True)
@@ -140,14 +139,19 @@ def _within(name: str, prefix: str) -> bool:
 
 
 def _is_docstring(statement: ast.stmt) -> bool:
-    return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(
-        statement.value.value, str
+    return (
+        isinstance(statement, ast.Expr)
+        and isinstance(statement.value, ast.Constant)
+        and isinstance(statement.value.value, str)
     )
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
     """The ids of the docstring nodes in `tree` (a docstring naming a module imports nothing)."""
-    holders = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef))]
+    holders = [
+        tree,
+        *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)),
+    ]
     return {id(h.body[0].value) for h in holders if h.body and _is_docstring(h.body[0])}  # type: ignore[attr-defined]
 
 
@@ -189,14 +193,18 @@ def check_commands_imports(modules: tuple[Module, ...]) -> list[str]:
         if _in_commands(m) or m.name == "streamctl.app":
             continue
         found += [
-            f"{m.path}:{i.line}: imports {i.target}" for i in imports(m, known) if _within(i.target, "streamctl.commands")
+            f"{m.path}:{i.line}: imports {i.target}"
+            for i in imports(m, known)
+            if _within(i.target, "streamctl.commands")
         ]
         docstrings = _docstrings(m.tree)
         found += [
             f"{m.path}:{node.lineno}: names streamctl.commands in a string"
             for node in ast.walk(m.tree)
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)
-            and "streamctl.commands" in node.value and id(node) not in docstrings
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and "streamctl.commands" in node.value
+            and id(node) not in docstrings
         ]
     return found
 
@@ -367,22 +375,18 @@ def test_no_import_cycles(package: tuple[Module, ...]) -> None:
     assert check_import_cycles(package) == []
 
 
-@IN_PROGRESS
 def test_no_function_body_over_80_lines(package: tuple[Module, ...]) -> None:
     assert check_function_lengths(package) == []
 
 
-@IN_PROGRESS
 def test_no_command_body_over_40_lines(package: tuple[Module, ...]) -> None:
     assert check_command_lengths(package) == []
 
 
-@IN_PROGRESS
 def test_no_isinstance_on_a_backend_outside_storage(package: tuple[Module, ...]) -> None:
     assert check_backend_isinstance(package) == []
 
 
-@IN_PROGRESS
 def test_commands_never_exit_non_zero_themselves(package: tuple[Module, ...]) -> None:
     assert check_command_exits(package) == []
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from oracle import check_serve_args_many, check_sharded_many, requires_vllm_oracle, save_reference_many
 from tiny_models import SAFETENSORS_DTYPE, read_safetensors, tiny_config, write_safetensors_file, write_tiny_checkpoint
 
@@ -177,7 +178,11 @@ def engine_outputs(
             return subprocess.CompletedProcess(command, 0, "", "")
 
         options = ShardOptions(
-            tp, pipeline_parallel_size=pp, pattern=pattern, engine="vllm", **({"max_part_size": max_size} if max_size else {})
+            tp,
+            pipeline_parallel_size=pp,
+            pattern=pattern,
+            engine="vllm",
+            **({"max_part_size": max_size} if max_size else {}),
         )
         dest = workdir / "engine" / name
         with pytest.MonkeyPatch.context() as patch:

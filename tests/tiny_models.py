@@ -65,7 +65,13 @@ KINDS: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "tie_word_embeddings": True,
     },
-    "llama-head-dim": {**COMMON_FIELDS, **LLAMA_FIELDS, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32},
+    "llama-head-dim": {
+        **COMMON_FIELDS,
+        **LLAMA_FIELDS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    },
     "qwen2": {
         **COMMON_FIELDS,
         "architectures": ["Qwen2ForCausalLM"],
@@ -130,7 +136,11 @@ def hf_tensor_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}.self_attn.q_norm.weight"] = (head_dim,)
             shapes[f"{p}.self_attn.k_norm.weight"] = (head_dim,)
         shapes[f"{p}.post_attention_layernorm.weight"] = (hidden,)
-        for proj, shape in (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter))):
+        for proj, shape in (
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ):
             shapes[f"{p}.mlp.{proj}.weight"] = shape
             if mlp_bias:
                 shapes[f"{p}.mlp.{proj}.bias"] = shape[:1]

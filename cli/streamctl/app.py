@@ -16,8 +16,8 @@ except ImportError:  # pragma: no cover - an older Typer on the real Click
 
 from streamctl import __version__, output
 from streamctl.commands import serve, shard, transfer, verify_index
-from streamctl.commands._options import DebugOption, QuietOption
 from streamctl.commands._environment import Command, Group, flag_from_environment
+from streamctl.commands._options import DebugOption, QuietOption
 from streamctl.commands.help import with_examples
 from streamctl.errors import Interrupted, StreamctlError, UsageError
 
@@ -27,8 +27,14 @@ EXIT_INTERNAL_ERROR = 70
 EXIT_INTERRUPTED = 130
 
 TOP_LEVEL_EXAMPLES = (
-    ("Copy a Hub model into a bucket, then check what arrived:", "streamctl transfer Qwen/Qwen3-0.6B gs://models/qwen3-0.6b"),
-    ("Print the vLLM command line for it without running anything:", "streamctl serve gs://models/qwen3-0.6b --dry-run"),
+    (
+        "Copy a Hub model into a bucket, then check what arrived:",
+        "streamctl transfer Qwen/Qwen3-0.6B gs://models/qwen3-0.6b",
+    ),
+    (
+        "Print the vLLM command line for it without running anything:",
+        "streamctl serve gs://models/qwen3-0.6b --dry-run",
+    ),
     ("Help for one command:", "streamctl transfer --help"),
 )
 

@@ -83,7 +83,7 @@ def bash_script(group: object) -> str:
         '    local cur="${COMP_WORDS[COMP_CWORD]}" prev="${COMP_WORDS[COMP_CWORD-1]}" cmd="" i opts',
         "    for ((i = 1; i < COMP_CWORD; i++)); do",
         '        case "${COMP_WORDS[i]}" in',
-        f"            {'|'.join(c.name for c in commands)}) cmd=\"${{COMP_WORDS[i]}}\"; break ;;",
+        f'            {"|".join(c.name for c in commands)}) cmd="${{COMP_WORDS[i]}}"; break ;;',
         "        esac",
         "    done",
         '    case "$cmd" in',
@@ -98,10 +98,11 @@ def bash_script(group: object) -> str:
                     f"                {'|'.join(option.names)}) "
                     f'COMPREPLY=($(compgen -W "{" ".join(option.choices)}" -- "$cur")); return ;;'
                 )
-        value_names = [name for option in command.options if option.takes_value and not option.choices
-                       for name in option.names]
+        value_names = [
+            name for option in command.options if option.takes_value and not option.choices for name in option.names
+        ]
         if value_names:
-            lines.append(f"                {'|'.join(value_names)}) COMPREPLY=($(compgen -f -- \"$cur\")); return ;;")
+            lines.append(f'                {"|".join(value_names)}) COMPREPLY=($(compgen -f -- "$cur")); return ;;')
         lines.append("            esac")
         lines.append(f'            opts="{_words(command.options)}" ;;')
     lines += [
@@ -134,13 +135,31 @@ def _zsh_option(option: OptionSpec) -> str:
 
 def zsh_script(group: object) -> str:
     global_options, commands = command_tree(group)
-    lines = ["#compdef streamctl", f"# zsh completion for streamctl -- {HEADER}", "", "_streamctl() {",
-             "    local curcontext=\"$curcontext\" state line", "    typeset -A opt_args", "    _arguments -C \\"]
+    lines = [
+        "#compdef streamctl",
+        f"# zsh completion for streamctl -- {HEADER}",
+        "",
+        "_streamctl() {",
+        '    local curcontext="$curcontext" state line',
+        "    typeset -A opt_args",
+        "    _arguments -C \\",
+    ]
     lines += [f"        {_zsh_option(option)} \\" for option in global_options]
-    lines += ["        '1: :->command' \\", "        '*:: :->args'", "    case $state in", "        command)",
-              "            local -a commands", "            commands=("]
+    lines += [
+        "        '1: :->command' \\",
+        "        '*:: :->args'",
+        "    case $state in",
+        "        command)",
+        "            local -a commands",
+        "            commands=(",
+    ]
     lines += [f"                '{c.name}:{_zsh_escape(c.help)}'" for c in commands]
-    lines += ["            )", "            _describe 'command' commands ;;", "        args)", "            case $line[1] in"]
+    lines += [
+        "            )",
+        "            _describe 'command' commands ;;",
+        "        args)",
+        "            case $line[1] in",
+    ]
     for command in commands:
         lines.append(f"                {command.name})")
         lines.append("                    _arguments \\")

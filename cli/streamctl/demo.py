@@ -115,4 +115,3 @@ def build_demo_checkpoint(location: Location, shards: int = 2, seed: int = 0) ->
     for name, body in files.items():
         location.store.put(location.key(name), body)
     return sorted([*names, *files])
-

@@ -108,7 +108,7 @@ def to_yaml(value: object, indent: int = 0) -> str:
         for item in value:
             if isinstance(item, (Mapping, list, tuple)) and item:
                 nested = to_yaml(item, indent + 2)
-                lines.append(f"{pad}- {nested[indent + 2:]}")
+                lines.append(f"{pad}- {nested[indent + 2 :]}")
             else:
                 empty = "{}" if isinstance(item, Mapping) else "[]" if isinstance(item, (list, tuple)) else None
                 lines.append(f"{pad}- {empty or _scalar(item)}\n")

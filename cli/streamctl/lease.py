@@ -310,7 +310,9 @@ class Lease:
                 self.location.store.delete_if_version(self.key, self.version)
             except PreconditionFailed:
                 if self._stored() is not None:  # (absent: our own delete, retried by the SDK)
-                    self.progress.log(f"the lease on {self.location.url} was taken by another run before this one ended")
+                    self.progress.log(
+                        f"the lease on {self.location.url} was taken by another run before this one ended"
+                    )
             except StreamctlError as error:
                 self.progress.log(
                     f"could not remove the lease {self.url} ({error.message}); it expires at {_shown(self.holder.expires)}"
@@ -373,9 +375,7 @@ def _busy(location: Location, holder: Holder | None) -> DestinationBusy:
     )
 
 
-def acquire(
-    location: Location, command: str, progress: Progress, settings: LeaseSettings | None = None
-) -> Lease:
+def acquire(location: Location, command: str, progress: Progress, settings: LeaseSettings | None = None) -> Lease:
     """Take the lease of `location` (creating it, or taking over a stale one) and start its heartbeat.
 
     DestinationBusy when a live run holds it."""

@@ -44,7 +44,7 @@ def place_of(location: Location) -> Place:
     """What `location` really names, as far as it can be told without a request."""
     store = location.store
     if store.scheme == "file":
-        root = str(getattr(store, "root"))
+        root = str(store.root)
         path = os.path.join(root, *location.prefix.split("/")) if location.prefix else root
         return LocalPlace(os.path.realpath(path))
     if store.scheme in ("s3", "gs", "az"):

@@ -30,8 +30,8 @@ from streamctl.words import plural
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars
 
-    from streamctl.transfer import TransferPlan, TransferResult, TransferRun
     from streamctl.serve.tune import TuneResult
+    from streamctl.transfer import TransferPlan, TransferResult, TransferRun
     from streamctl.verify.report import VerifyReport
 
 
@@ -393,7 +393,9 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
              for item in shown_left]  # fmt: skip
     if len(plan.cleanup.left_alone) > len(shown_left):
         more = len(plan.cleanup.left_alone) - len(shown_left)
-        rows.append([_text("leave alone", "dim"), _text(""), _text(f"... and {more:,} more"), _text("in DEST (see --json)")])
+        rows.append(
+            [_text("leave alone", "dim"), _text(""), _text(f"... and {more:,} more"), _text("in DEST (see --json)")]
+        )
     rows += [[_text("link" if note.listed else "skip", "dim" if note.listed else "yellow"), _text(""), _text(note.key),
               _text(note.reason)] for note in plan.notes]  # fmt: skip
     columns = [Column("action"), Column("size", right=True), Column("file"), Column("reason", wraps=True)]
@@ -422,7 +424,9 @@ def render_transfer_result(result: TransferResult) -> None:
     copied = sum(1 for file in result.files if file.action == "copied")
     skipped = len(result.files) - copied
     discarded = (
-        f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run" if result.discarded else ""
+        f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run"
+        if result.discarded
+        else ""
     )
     if result.removed:
         discarded += f"; removed {plural(len(result.removed), 'file')} an earlier streamctl run wrote"
@@ -516,7 +520,9 @@ def render_shard_checks(result: ShardResult) -> None:
         state = "[green]OK[/]" if reconstruction.ok else "[bold red]FAILED[/]"
         compared = human_bytes(reconstruction.bytes_compared)
         rebuilt = [state, f"({plural(reconstruction.tensors, 'source tensor')},", f"{compared} compared)"]
-    print_phrases(console, ["checks:", "verify-index --sharded", f"{verify};", "reconstruction", *rebuilt], separator=" ")
+    print_phrases(
+        console, ["checks:", "verify-index --sharded", f"{verify};", "reconstruction", *rebuilt], separator=" "
+    )
 
 
 # =========================================================================================================

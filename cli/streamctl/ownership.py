@@ -18,11 +18,10 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamctl.errors import StreamctlError
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
-from streamctl.storage.base import is_safe_relative_path
+from streamctl.errors import StreamctlError
 from streamctl.progress import Progress
-from streamctl.storage.base import ListingNote, Location
+from streamctl.storage.base import ListingNote, Location, is_safe_relative_path
 
 MANIFEST_NAMES = (MANIFEST_NAME, SHARD_MANIFEST_NAME)
 MAX_MANIFEST_BYTES = 100_000_000  # shard manifests list every tensor of every rank
@@ -155,4 +154,3 @@ def remove_files(dest: Location, names: Sequence[str], progress: Progress) -> tu
         progress.log(f"--force: removing {name}, which an earlier streamctl run wrote and this one does not")
         dest.store.delete(dest.key(name))
     return tuple(names)
-

@@ -22,6 +22,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from streamctl.checkpoint.files import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    SHARD_MANIFEST_NAME,
+    Selection,
+    listing_notes,
+    notes_to_json,
+    read_config_references,
+    select_files,
+)
+from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
 from streamctl.errors import (
     ChecksFailed,
     IntegrityError,
@@ -30,17 +41,7 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
-from streamctl.checkpoint.files import (
-    CONFIG_NAME,
-    MANIFEST_NAME,
-    SHARD_MANIFEST_NAME,
-    Selection,
-    listing_notes,
-    read_config_references,
-    notes_to_json,
-    select_files,
-)
+from streamctl.lease import Lease, hold_lease
 from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.locations import check_disjoint
 from streamctl.ownership import (
@@ -51,12 +52,18 @@ from streamctl.ownership import (
     unfollowed_links,
     written_by_streamctl,
 )
-from streamctl.lease import Lease, hold_lease
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.storage.base import is_safe_relative_path
-from streamctl.storage.base import ListingNote, MiB, Location, MultipartUpload, ObjectInfo, StorageOptions
 from streamctl.storage import deadlines
+from streamctl.storage.base import (
+    ListingNote,
+    Location,
+    MiB,
+    MultipartUpload,
+    ObjectInfo,
+    StorageOptions,
+    is_safe_relative_path,
+)
 from streamctl.uploads import (
     SHA256_KEY,
     ByteBudget,
@@ -188,8 +195,8 @@ class Digests:
 
     size: int
     with_git_sha1: bool = True  # only small hub files are checked by it: skip the CPU for the rest
-    sha256: "hashlib._Hash" = field(default_factory=hashlib.sha256)
-    git_sha1: "hashlib._Hash" = field(init=False)
+    sha256: hashlib._Hash = field(default_factory=hashlib.sha256)
+    git_sha1: hashlib._Hash = field(init=False)
 
     def __post_init__(self) -> None:
         self.git_sha1 = hashlib.sha1(b"blob %d\x00" % self.size)
@@ -340,7 +347,9 @@ def plan_transfer(
         raise NotFoundError(f"no files under {source.url}{left_out}")
     unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
     if unsafe:
-        raise UsageError(f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths")
+        raise UsageError(
+            f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths"
+        )
     commit: str | None = getattr(source.store, "commit", None)
 
     config = _read_json(source, CONFIG_NAME, listing[CONFIG_NAME].size) if CONFIG_NAME in listing else None
@@ -633,7 +642,15 @@ def _execute_transfer(
     lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
     _write_transfer_manifest(dest, plan, results)
     return TransferResult(
-        plan.source, plan.dest, plan.commit, results, engine.bytes_sent, time.monotonic() - started, discarded, removed, plan.notes
+        plan.source,
+        plan.dest,
+        plan.commit,
+        results,
+        engine.bytes_sent,
+        time.monotonic() - started,
+        discarded,
+        removed,
+        plan.notes,
     )
 
 

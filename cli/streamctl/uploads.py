@@ -9,7 +9,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Literal
 
 from streamctl import __version__
@@ -83,7 +83,7 @@ def put_json(location: Location, name: str, document: object) -> None:
 def write_manifest(dest: Location, name: str, fields: Mapping[str, object], *, stamp: str = "created") -> None:
     """Write a streamctl manifest in one put: who wrote it (tool, version) and when (under `stamp`), then
     the verb's own `fields`."""
-    now = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    now = datetime.now(UTC).isoformat(timespec="seconds")
     put_json(dest, name, {"tool": "streamctl", "version": __version__, stamp: now, **fields})
 
 

@@ -65,14 +65,22 @@ def sentence_transformers_folder(folder: Path) -> Path:
     _write_json(folder / "config_sentence_transformers.json", {"prompts": {}, "similarity_fn_name": "cosine"})
     _write_json(
         folder / "tokenizer_config.json",
-        {"tokenizer_class": "XTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]},
-         "vocab_file": "spm-32k.vocab"},
+        {
+            "tokenizer_class": "XTokenizer",
+            "auto_map": {"AutoTokenizer": ["tokenization_x.XTokenizer", None]},
+            "vocab_file": "spm-32k.vocab",
+        },
     )
     (folder / "tokenization_x.py").write_text("class XTokenizer: ...\n")
     (folder / "spm-32k.vocab").write_text("a\nb\n")
     (folder / "spm.model").write_bytes(b"sentencepiece")
-    _write_json(folder / "preprocessor_config.json", {"auto_map": {"AutoImageProcessor": "image_processing_x.XImageProcessor"}})
-    _write_json(folder / "processor_config.json", {"processor_class": "XProcessor", "auto_map": {"AutoProcessor": "processing_x.XProcessor"}})
+    _write_json(
+        folder / "preprocessor_config.json", {"auto_map": {"AutoImageProcessor": "image_processing_x.XImageProcessor"}}
+    )
+    _write_json(
+        folder / "processor_config.json",
+        {"processor_class": "XProcessor", "auto_map": {"AutoProcessor": "processing_x.XProcessor"}},
+    )
     (folder / "image_processing_x.py").write_text("class XImageProcessor: ...\n")
     (folder / "processing_x.py").write_text("class XProcessor: ...\n")
     (folder / "models").mkdir()
@@ -137,7 +145,9 @@ def test_verify_does_not_advise_moving_referenced_folders_away(tmp_path: Path) -
 
 def test_shard_copies_what_the_configs_reference(tmp_path: Path) -> None:
     source = sentence_transformers_folder(tmp_path / "src")
-    shard_checkpoint(open_location(str(source)), open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2))
+    shard_checkpoint(
+        open_location(str(source)), open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2)
+    )
     for path in REFERENCED:
         assert (tmp_path / "out" / path).read_bytes() == (source / path).read_bytes(), path
     assert not (tmp_path / "out/notes").exists() and not (tmp_path / "out/2_Dense/pytorch_model.bin").exists()
@@ -147,7 +157,10 @@ def test_shard_copies_what_the_configs_reference(tmp_path: Path) -> None:
 def test_references_ignore_other_repos_unsafe_paths_and_pickles() -> None:
     paths = ["config.json", "modules.json", "a.py", "x/../a.py", "pytorch_model.bin", "1_Pooling/config.json"]
     documents = {
-        "config.json": {"auto_map": {"AutoModel": "org/repo--modeling.M", "AutoConfig": "a.C"}, "w": "pytorch_model.bin"},
+        "config.json": {
+            "auto_map": {"AutoModel": "org/repo--modeling.M", "AutoConfig": "a.C"},
+            "w": "pytorch_model.bin",
+        },
         "modules.json": [{"path": "../1_Pooling"}, {"path": "/"}, {"path": "1_Pooling", "type": "Pooling"}],
     }
     assert config_references(documents, paths) == {
@@ -160,7 +173,9 @@ def test_references_ignore_other_repos_unsafe_paths_and_pickles() -> None:
 def test_a_real_sentence_transformers_repo_transfers_whole(tmp_path: Path) -> None:
     copied, excluded = transfer(minilm_folder(), tmp_path / "dest")
     assert "1_Pooling/config.json" in copied and "modules.json" in copied
-    assert {"sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer.json", "vocab.txt"} <= set(copied)
+    assert {"sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer.json", "vocab.txt"} <= set(
+        copied
+    )
     report = verify_checkpoint(open_location(str(tmp_path / "dest")))
     assert report.ok and not [finding for finding in report.findings if finding.code == "subfolder-pulled"]
 

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from checkpoints import TensorSpec, write_serving_files, write_tensor_file
 from cli_helpers import run_cli
 from oracle import requires_vllm_oracle, stream_runai_many
 from servers import StorageServers
 from streamctl.checkpoint.safetensors import DTYPE_BITS
-from streamctl.storage import open_location
 from streamctl.checkpoint.streamer_compat import STREAMER_CODES, STREAMER_UNREADABLE_DTYPES
+from streamctl.storage import open_location
 from streamctl.verify.report import VerifyOptions, VerifyReport
 from streamctl.verify.run import verify_checkpoint
 
@@ -39,7 +40,7 @@ def _streamer_findings(report: VerifyReport) -> list[tuple[str, str]]:
 
 
 def test_the_unreadable_dtypes_are_the_ones_measured() -> None:
-    assert STREAMER_UNREADABLE_DTYPES == {"F8_E4M3FNUZ", "F8_E5M2FNUZ", "F6_E2M3", "F6_E3M2"}
+    assert {"F8_E4M3FNUZ", "F8_E5M2FNUZ", "F6_E2M3", "F6_E3M2"} == STREAMER_UNREADABLE_DTYPES
 
 
 @pytest.mark.parametrize("dtype", ["F8_E4M3FNUZ", "F6_E2M3", "F4"])
@@ -88,7 +89,9 @@ def test_streamer_verdict_per_dtype_matches_the_findings(tmp_path: Path) -> None
         report = verify_checkpoint(open_location(str(folder)), VerifyOptions(for_streamer=True))
         flagged = bool(_streamer_findings(report))
         if flagged == verdict["ok"]:
-            mismatches.append(f"{dtype} {list(shape)}: streamer ok={verdict['ok']} ({verdict['error']}), flagged={flagged}")
+            mismatches.append(
+                f"{dtype} {list(shape)}: streamer ok={verdict['ok']} ({verdict['error']}), flagged={flagged}"
+            )
     assert not mismatches, "\n".join(mismatches)
     # The table is not vacuous: the streamer refused some, and read others.
     assert any(not verdict["ok"] for verdict in verdicts) and any(verdict["ok"] for verdict in verdicts)
@@ -116,7 +119,11 @@ def test_streamer_loads_empty_parts_in_every_memory_mode(tmp_path: Path) -> None
         {"paths": [folder / name for name in order], "env": env} for env in envs for order in orders
     ]
     verdicts = stream_runai_many(jobs)
-    failed = [json.dumps({"job": str(job), "error": verdict["error"]}) for job, verdict in zip(jobs, verdicts) if not verdict["ok"]]
+    failed = [
+        json.dumps({"job": str(job), "error": verdict["error"]})
+        for job, verdict in zip(jobs, verdicts)
+        if not verdict["ok"]
+    ]
     assert not failed, "\n".join(failed)
     full = [verdict for job, verdict in zip(jobs, verdicts) if len(job["paths"]) > 1]
     assert all(sorted(name for name, _, _ in verdict["tensors"]) == ["v", "w"] for verdict in full)
@@ -147,7 +154,9 @@ def test_streamer_loads_empty_parts_from_s3(s3_root: str, storage_servers: Stora
         for limit in ({}, {"RUNAI_STREAMER_MEMORY_LIMIT": "0"}, {"RUNAI_STREAMER_MEMORY_LIMIT": "-1"})
     ]
     verdicts = stream_runai_many(jobs)
-    assert [(verdict["ok"], [name for name, _, _ in verdict["tensors"]]) for verdict in verdicts] == [(True, ["w"])] * 3, verdicts
+    assert [(verdict["ok"], [name for name, _, _ in verdict["tensors"]]) for verdict in verdicts] == [
+        (True, ["w"])
+    ] * 3, verdicts
     report = verify_checkpoint(location, VerifyOptions(for_streamer=True))
     assert {(f.severity, f.file) for f in report.findings if f.code == "empty-shard"} == {
         ("warning", "empty.safetensors"),

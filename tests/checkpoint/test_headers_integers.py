@@ -13,16 +13,17 @@ import struct
 from pathlib import Path
 
 import pytest
-from checkpoints import write_serving_files
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streamctl.checkpoint.safetensors import parse_safetensors_bytes
+
+from checkpoints import write_serving_files
 from safetensors_strategies import mutated_files
+from streamctl.checkpoint.safetensors import parse_safetensors_bytes
 from streamctl.storage import open_location
 from streamctl.verify.run import verify_checkpoint
 
 safetensors = pytest.importorskip("safetensors")
-from safetensors import safe_open  # noqa: E402
+from safetensors import safe_open
 
 DATA = b"\x00" * 4
 TEMPLATE = '{{"__metadata__":{{"format":"pt"}},"t":{{"dtype":"U8","shape":[{shape}],"data_offsets":[{begin},{end}]}}}}'
@@ -49,10 +50,47 @@ def agree(tmp_path: Path, data: bytes) -> tuple[bool, bool]:
 
 
 HAND_PICKED = [
-    "-0", "-00", "0.0", "-0.0", "0e0", "0E0", "0e+0", "0e-0", "+0", "00", "01", "4.0", "4e0", "4E0", "0.4e1",
-    "40e-1", "+4", "04", "-4", "-1", "18446744073709551615", "18446744073709551616", "99999999999999999999",
-    "1" * 400, "1" * 5000, "-" + "1" * 5000, "0x4", "4 ", " 4", "\t4", "4\n", "NaN", "Infinity", "-Infinity",
-    "true", "null", '"4"', "[4]", "{}", "4,", "",
+    "-0",
+    "-00",
+    "0.0",
+    "-0.0",
+    "0e0",
+    "0E0",
+    "0e+0",
+    "0e-0",
+    "+0",
+    "00",
+    "01",
+    "4.0",
+    "4e0",
+    "4E0",
+    "0.4e1",
+    "40e-1",
+    "+4",
+    "04",
+    "-4",
+    "-1",
+    "18446744073709551615",
+    "18446744073709551616",
+    "99999999999999999999",
+    "1" * 400,
+    "1" * 5000,
+    "-" + "1" * 5000,
+    "0x4",
+    "4 ",
+    " 4",
+    "\t4",
+    "4\n",
+    "NaN",
+    "Infinity",
+    "-Infinity",
+    "true",
+    "null",
+    '"4"',
+    "[4]",
+    "{}",
+    "4,",
+    "",
 ]
 
 
@@ -84,7 +122,9 @@ SPELLINGS = st.builds(
 
 @settings(max_examples=400, deadline=None)
 @given(field=st.sampled_from(["shape", "begin", "end", "shape2"]), spelling=SPELLINGS)
-def test_generated_spellings_agree_with_the_reference(tmp_path_factory: pytest.TempPathFactory, field: str, spelling: str) -> None:
+def test_generated_spellings_agree_with_the_reference(
+    tmp_path_factory: pytest.TempPathFactory, field: str, spelling: str
+) -> None:
     value = {"shape": "4", "begin": "0", "end": "4"}
     if field == "shape2":
         value["shape"] = f"{spelling},1"
@@ -126,8 +166,20 @@ def test_length_prefix_agrees_with_the_reference(tmp_path: Path, data: bytes) ->
 
 
 METADATA_CASES = [
-    '{"format":"pt"}', "{}", "null", '{"a":1}', '{"a":null}', '{"a":true}', '{"a":["x"]}', '{"a":{"b":"c"}}',
-    '{"a":"-0"}', "[]", '"pt"', "1", "-0", '{"a":-0}',
+    '{"format":"pt"}',
+    "{}",
+    "null",
+    '{"a":1}',
+    '{"a":null}',
+    '{"a":true}',
+    '{"a":["x"]}',
+    '{"a":{"b":"c"}}',
+    '{"a":"-0"}',
+    "[]",
+    '"pt"',
+    "1",
+    "-0",
+    '{"a":-0}',
     '{"dtype":"U8","shape":[0],"data_offsets":[4,4]}',  # a tensor entry's form under the metadata key
 ]
 

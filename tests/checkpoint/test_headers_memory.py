@@ -83,10 +83,14 @@ def test_hostile_headers_cost_little_memory(tmp_path: Path, kind: str) -> None:
     elif kind == "short-strings-in-one-entry":
         text = '{"x":{"dtype":"U8","shape":[0],"data_offsets":[0,0],"pad":[' + ",".join(['"ab"'] * count) + "]}}"
     else:  # valid entries the fast path does not match (other key order): decoded one at a time
-        text = "{" + ",".join(
-            f'"model.layers.{index}.self_attn.q_proj.weight":{{"shape":[1],"dtype":"U8","data_offsets":[{index},{index + 1}]}}'
-            for index in range(count // 4)
-        ) + "}"
+        text = (
+            "{"
+            + ",".join(
+                f'"model.layers.{index}.self_attn.q_proj.weight":{{"shape":[1],"dtype":"U8","data_offsets":[{index},{index + 1}]}}'
+                for index in range(count // 4)
+            )
+            + "}"
+        )
     path = tmp_path / "header.json"
     path.write_bytes(text.encode())
     size, rss, seconds, _, problems, _ = _measure(path)

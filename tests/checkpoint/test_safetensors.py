@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from checkpoints import CountingStore
-from streamctl.errors import UsageError
 from streamctl.checkpoint.safetensors import (
     DTYPE_BITS,
     HF_MAX_HEADER_BYTES,
@@ -24,6 +24,7 @@ from streamctl.checkpoint.safetensors import (
     safetensors_bytes,
     write_safetensors,
 )
+from streamctl.errors import UsageError
 from streamctl.storage.local import LocalStore
 
 

@@ -143,6 +143,7 @@ def test_help_texts_survive_rich_rendering() -> None:
     import re
 
     import typer.main
+
     from streamctl.app import app
 
     group = typer.main.get_command(app)

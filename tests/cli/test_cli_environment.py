@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import typer.main
+
 from headers_helpers import run_main
 from streamctl.app import app
 from streamctl.commands._environment import variable_name
@@ -27,7 +28,9 @@ def options(command: Any) -> list[Any]:
     return [param for param in command.params if param.param_type_name == "option" and param.name != "version"]
 
 
-def serve_plan(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *extra: str, **env: str) -> dict[str, Any]:
+def serve_plan(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *extra: str, **env: str
+) -> dict[str, Any]:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     code, stdout, stderr = run_main(monkeypatch, capsys, *SERVE_DRY, *extra)
@@ -43,7 +46,12 @@ def no_streamctl_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("STREAMCTL_") and name not in ("STREAMCTL_AZURITE", "STREAMCTL_VLLM_PYTHON"):
             monkeypatch.delenv(name)
-    for name in ("AWS_ENDPOINT_URL", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING", "AZURE_STORAGE_ACCOUNT_NAME", "HF_TOKEN"):
+    for name in (
+        "AWS_ENDPOINT_URL",
+        "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING",
+        "AZURE_STORAGE_ACCOUNT_NAME",
+        "HF_TOKEN",
+    ):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -57,7 +65,9 @@ def test_every_option_of_every_command_reads_its_variable() -> None:
         assert all(argument.envvar is None for argument in arguments), name  # SOURCE, DEST, vLLM's args: none
 
 
-def test_an_option_from_the_environment_is_used(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_option_from_the_environment_is_used(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert serve_plan(monkeypatch, capsys)["extra_config"]["concurrency"] == 8  # the default for a bucket
     assert serve_plan(monkeypatch, capsys, STREAMCTL_CONCURRENCY="5")["extra_config"]["concurrency"] == 5
 
@@ -78,7 +88,9 @@ def test_a_flag_and_a_repeatable_option_from_the_environment(
     assert not (tmp_path / "dest").exists()  # a dry run: nothing written
 
 
-def test_the_command_line_beats_the_environment(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_line_beats_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     plan = serve_plan(monkeypatch, capsys, "--concurrency", "3", STREAMCTL_CONCURRENCY="5")
     assert plan["extra_config"]["concurrency"] == 3
     # A bad value in the environment is not even read when the command line sets the option.
@@ -95,7 +107,10 @@ def test_existing_variables_still_win(monkeypatch: pytest.MonkeyPatch, capsys: p
     only_ours = serve_plan(monkeypatch, capsys)["env"]
     assert only_ours["AWS_ENDPOINT_URL"] == "http://127.0.0.1:2"
     # STREAMCTL_PATH_STYLE=0 asks for virtual-host addressing ...
-    assert serve_plan(monkeypatch, capsys, STREAMCTL_PATH_STYLE="0")["env"]["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "1"
+    assert (
+        serve_plan(monkeypatch, capsys, STREAMCTL_PATH_STYLE="0")["env"]["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"]
+        == "1"
+    )
     # ... unless the streamer's own variable says otherwise: that one is kept, with no "as asked" override.
     plan = serve_plan(monkeypatch, capsys, RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING="0")
     assert plan["env"]["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] == "0" and plan["warnings"] == []
@@ -112,7 +127,9 @@ def test_existing_variables_still_win(monkeypatch: pytest.MonkeyPatch, capsys: p
 
 
 @pytest.mark.parametrize("name", ["", "transfer", "verify-index", "shard", "serve"], ids=lambda name: name or "top")
-def test_help_shows_each_variable(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str) -> None:
+def test_help_shows_each_variable(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
     monkeypatch.setenv("COLUMNS", "100")
     code, stdout, _ = run_main(monkeypatch, capsys, *([name] if name else []), "--help")
     assert code == 0
@@ -175,7 +192,11 @@ def test_option_variables_are_not_the_projects_other_variables() -> None:
     about_options = (Path(__file__).parent, REPO / "cli" / "streamctl" / "commands" / "_environment.py")
     for place in (REPO / ".ci", REPO / "bench", REPO / "tests", REPO / "cli" / "streamctl"):
         for path in place.rglob("*"):
-            if path.is_file() and path.suffix in ("", ".py", ".sh", ".toml") and not path.is_relative_to(about_options[0]):
+            if (
+                path.is_file()
+                and path.suffix in ("", ".py", ".sh", ".toml")
+                and not path.is_relative_to(about_options[0])
+            ):
                 if path != about_options[1]:
                     used |= {"".join(names) for names in re.findall(USE, path.read_text(errors="replace"))}
     assert "STREAMCTL_AZURITE" in used and "STREAMCTL_LEASE_TTL" in used  # the scan itself works

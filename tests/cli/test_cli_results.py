@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from checkpoints import write_serving_files
 from headers_helpers import run_main
 from streamctl import output

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from checkpoints import write_serving_files
 from cli_helpers import run_cli
 from headers_helpers import run_main
@@ -64,33 +65,53 @@ COMMAND_NAMES = list(COMMANDS)
 
 
 @pytest.mark.parametrize("command", COMMAND_NAMES)
-def test_a_bad_url(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
-    code, stdout, _ = run_main(monkeypatch, capsys, *arguments(command, "nope://bucket/x", str(tmp_path / "d")), "--json")
+def test_a_bad_url(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    code, stdout, _ = run_main(
+        monkeypatch, capsys, *arguments(command, "nope://bucket/x", str(tmp_path / "d")), "--json"
+    )
     assert_failure(code, stdout, 2, "usage-error")
 
 
 @pytest.mark.parametrize("command", COMMAND_NAMES)
-def test_a_missing_source(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
-    code, stdout, _ = run_main(monkeypatch, capsys, *arguments(command, str(tmp_path / "missing"), str(tmp_path / "d")), "--json")
+def test_a_missing_source(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    code, stdout, _ = run_main(
+        monkeypatch, capsys, *arguments(command, str(tmp_path / "missing"), str(tmp_path / "d")), "--json"
+    )
     assert_failure(code, stdout, 3, "not-found")
 
 
 @pytest.mark.parametrize(
     ("command", "option"),
-    [("transfer", ["--part-size", "lots"]), ("transfer", ["-j", "abc"]), ("verify-index", ["-j", "0"]),
-     ("shard", ["-pp", "99999999"]), ("shard", ["--max-part-size", "nan"]), ("serve", ["--memory-limit", "1e400"]),
-     ("serve", ["-tp", "x"])],
+    [
+        ("transfer", ["--part-size", "lots"]),
+        ("transfer", ["-j", "abc"]),
+        ("verify-index", ["-j", "0"]),
+        ("shard", ["-pp", "99999999"]),
+        ("shard", ["--max-part-size", "nan"]),
+        ("serve", ["--memory-limit", "1e400"]),
+        ("serve", ["-tp", "x"]),
+    ],
 )
 def test_a_bad_option_value(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str, option: list[str]
 ) -> None:
-    code, stdout, _ = run_main(monkeypatch, capsys, *arguments(command, str(tmp_path), str(tmp_path / "d")), *option, "--json")
+    code, stdout, _ = run_main(
+        monkeypatch, capsys, *arguments(command, str(tmp_path), str(tmp_path / "d")), *option, "--json"
+    )
     assert_failure(code, stdout, 2, "bad-option-value")
 
 
 @pytest.mark.parametrize("command", COMMAND_NAMES)
-def test_an_unknown_option(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str) -> None:
-    code, stdout, _ = run_main(monkeypatch, capsys, *arguments(command, str(tmp_path), str(tmp_path / "d")), "--bogus", "--json")
+def test_an_unknown_option(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, command: str
+) -> None:
+    code, stdout, _ = run_main(
+        monkeypatch, capsys, *arguments(command, str(tmp_path), str(tmp_path / "d")), "--bogus", "--json"
+    )
     document = assert_failure(code, stdout, 2, "unknown-option")
     assert "--bogus" in document["error"]["message"] and document["error"]["hint"] == f"see streamctl {command} --help"
 
@@ -101,18 +122,24 @@ def test_a_missing_argument(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capt
     assert_failure(code, stdout, 2, "missing-parameter")
 
 
-def test_json_after_the_vllm_separator_is_vllms(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_json_after_the_vllm_separator_is_vllms(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, stdout, stderr = run_main(monkeypatch, capsys, "serve", "--bogus", "--", "--json")
     assert code == 2 and stdout == "" and "--bogus" in stderr
 
 
-def test_a_failing_verify(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], broken_checkpoint: Path) -> None:
+def test_a_failing_verify(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], broken_checkpoint: Path
+) -> None:
     code, stdout, _ = run_main(monkeypatch, capsys, "verify-index", str(broken_checkpoint), "--json")
     document = assert_failure(code, stdout, 1, "verification-failed")
     assert [finding["code"] for finding in document["findings"]] == ["file-trailing-bytes"]
 
 
-def test_strict_warnings_fail_with_an_error_too(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_strict_warnings_fail_with_an_error_too(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     write_serving_files(open_location(str(tmp_path)), tokenizer=False)  # tokenizer-missing: a warning
     (tmp_path / "model.safetensors").write_bytes(safetensors_bytes([("w", "F32", [2], bytes(8))]))
     code, stdout, _ = run_main(monkeypatch, capsys, "verify-index", str(tmp_path), "--json")
@@ -133,12 +160,16 @@ def test_a_failing_preflight_carries_the_findings(
 def test_a_failing_verify_after_transfer(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], broken_checkpoint: Path, tmp_path: Path
 ) -> None:
-    code, stdout, _ = run_main(monkeypatch, capsys, "transfer", str(broken_checkpoint), str(tmp_path / "copy"), "--json")
+    code, stdout, _ = run_main(
+        monkeypatch, capsys, "transfer", str(broken_checkpoint), str(tmp_path / "copy"), "--json"
+    )
     document = assert_failure(code, stdout, 1, "verification-failed")
     assert [finding["code"] for finding in document["verify"]["findings"]] == ["file-trailing-bytes"]
 
 
-@pytest.mark.parametrize(("raised", "exit_code", "code"), [(KeyboardInterrupt, 130, "interrupted"), (RuntimeError, 70, "internal-error")])
+@pytest.mark.parametrize(
+    ("raised", "exit_code", "code"), [(KeyboardInterrupt, 130, "interrupted"), (RuntimeError, 70, "internal-error")]
+)
 def test_an_interrupt_and_a_bug(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
@@ -158,14 +189,20 @@ def test_an_interrupt_and_a_bug(
     assert "Traceback" not in stderr
 
 
-def test_without_json_errors_stay_text(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_without_json_errors_stay_text(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     code, stdout, stderr = run_main(monkeypatch, capsys, "verify-index", str(tmp_path / "missing"))
     assert code == 3 and stdout == "" and "error:" in stderr
 
 
 @pytest.mark.parametrize(
     "args",
-    [["verify-index", "--bogus", "x", "--json"], ["shard", "a", "b", "--json"], ["transfer", "x", "y", "--part-size", "9" * 5000, "--json"]],
+    [
+        ["verify-index", "--bogus", "x", "--json"],
+        ["shard", "a", "b", "--json"],
+        ["transfer", "x", "y", "--part-size", "9" * 5000, "--json"],
+    ],
     ids=["unknown-option", "missing-option", "huge-size"],
 )
 def test_in_a_real_process(args: list[str]) -> None:

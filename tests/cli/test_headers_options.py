@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import run_cli
 from headers_helpers import run_main
 from tiny_models import write_tiny_checkpoint
@@ -58,7 +59,11 @@ OPTIONS = [
     (["serve", "{src}", "--dry-run"], "-tp", False),
     (["serve", "{src}", "--dry-run"], "--concurrency", False),
     (["serve", "{src}", "--dry-run"], "--memory-limit", True),
-    (["serve", "{src}", "--dry-run", "--cpu-weight-files", "a.safetensors", "--engram", "x*"], "--cpu-memory-limit", True),
+    (
+        ["serve", "{src}", "--dry-run", "--cpu-weight-files", "a.safetensors", "--engram", "x*"],
+        "--cpu-memory-limit",
+        True,
+    ),
 ]
 # Values inside the type but far past any sensible bound: caught by streamctl's own ranges.
 TOO_LARGE = {
@@ -145,7 +150,14 @@ def test_tp_times_pp_is_bounded(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("64MiB", 64 << 20), ("1.5GiB", 3 << 29), ("100MB", 10**8), ("5368709120", 5 << 30), ("0.5KiB", 512), ("1.9999b", 1)],
+    [
+        ("64MiB", 64 << 20),
+        ("1.5GiB", 3 << 29),
+        ("100MB", 10**8),
+        ("5368709120", 5 << 30),
+        ("0.5KiB", 512),
+        ("1.9999b", 1),
+    ],
 )
 def test_sizes_still_parse_exactly(text: str, expected: int) -> None:
     from streamctl.sizes import parse_size

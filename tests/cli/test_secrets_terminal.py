@@ -78,7 +78,9 @@ def test_serve_preflight_report_and_command_line_escape_names(hostile_model: Pat
     _no_raw_controls(failed.stdout, failed.stderr)
     assert "\\x1b[2J" in failed.stderr
     odd = tmp_path / "m\x1b[2J\u202e"
-    dry = run_cli("serve", str(odd), "--dry-run", "--no-preflight", "--not-sharded", "--", "--served-model-name", "\x1b]0;t\x07")
+    dry = run_cli(
+        "serve", str(odd), "--dry-run", "--no-preflight", "--not-sharded", "--", "--served-model-name", "\x1b]0;t\x07"
+    )
     assert dry.exit_code == 0, dry.stderr
     _no_raw_controls(dry.stdout, dry.stderr)
     assert "$'" in dry.stdout  # bash's own quoting for control characters: still copy-pasteable
@@ -94,8 +96,16 @@ def test_errors_escape_names(tmp_path: Path) -> None:
 
 
 def test_warnings_escape_names(tmp_path: Path) -> None:
-    result = run_cli("serve", "s3://bkt/m", "--dry-run", "--no-preflight", "--not-sharded",
-                     "--endpoint-url", "http://127.0.0.1:9", env={"AWS_ENDPOINT_URL": "http://x\x1b[2J:9"})
+    result = run_cli(
+        "serve",
+        "s3://bkt/m",
+        "--dry-run",
+        "--no-preflight",
+        "--not-sharded",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        env={"AWS_ENDPOINT_URL": "http://x\x1b[2J:9"},
+    )
     assert result.exit_code == 0, result.stderr
     assert "keeping" in result.stderr or "using" in result.stderr
     _no_raw_controls(result.stdout, result.stderr)

@@ -26,12 +26,22 @@ ENDPOINT = f"http://minio-user:{SECRET}@127.0.0.1:9"  # port 9: nothing listens,
         (f"http://u:{SECRET}@host:9000/b", "http://***@host:9000/b"),
         (f"https://{SECRET}@host", "https://***@host"),
         (f"http://u:p@ss{SECRET}@host/x@y", "http://***@host/x@y"),  # a raw "@" in the password
-        (f"see 'HTTPS://u:{SECRET}@proxy:3128' and http://u2:{SECRET}@h2/", "see 'HTTPS://***@proxy:3128' and http://***@h2/"),
-        (f'Could not connect to the endpoint URL: "http://a:{SECRET}@127.0.0.1:9/bkt?list-type=2"',
-         'Could not connect to the endpoint URL: "http://***@127.0.0.1:9/bkt?list-type=2"'),
-        (f"https://acct.blob.core.windows.net/c/b?sv=2024&sig={SECRET}&se=1", "https://acct.blob.core.windows.net/c/b?sv=2024&sig=***&se=1"),
-        (f"https://b.s3.amazonaws.com/k?X-Amz-Credential={SECRET}&X-Amz-Signature={SECRET}",
-         "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***"),
+        (
+            f"see 'HTTPS://u:{SECRET}@proxy:3128' and http://u2:{SECRET}@h2/",
+            "see 'HTTPS://***@proxy:3128' and http://***@h2/",
+        ),
+        (
+            f'Could not connect to the endpoint URL: "http://a:{SECRET}@127.0.0.1:9/bkt?list-type=2"',
+            'Could not connect to the endpoint URL: "http://***@127.0.0.1:9/bkt?list-type=2"',
+        ),
+        (
+            f"https://acct.blob.core.windows.net/c/b?sv=2024&sig={SECRET}&se=1",
+            "https://acct.blob.core.windows.net/c/b?sv=2024&sig=***&se=1",
+        ),
+        (
+            f"https://b.s3.amazonaws.com/k?X-Amz-Credential={SECRET}&X-Amz-Signature={SECRET}",
+            "https://b.s3.amazonaws.com/k?X-Amz-Credential=***&X-Amz-Signature=***",
+        ),
     ],
 )
 def test_mask_credentials(text: str, shown: str) -> None:
@@ -71,8 +81,16 @@ def test_serve_dry_run_and_json_mask_the_endpoint() -> None:
 
 
 def test_a_user_variable_with_credentials_is_masked_in_warnings() -> None:
-    result = run_cli("serve", "s3://bkt/model", "--no-preflight", "--not-sharded", "--dry-run",
-                     "--endpoint-url", "http://127.0.0.1:9", env={"AWS_ENDPOINT_URL": ENDPOINT})
+    result = run_cli(
+        "serve",
+        "s3://bkt/model",
+        "--no-preflight",
+        "--not-sharded",
+        "--dry-run",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        env={"AWS_ENDPOINT_URL": ENDPOINT},
+    )
     assert result.exit_code == 0, result.stderr
     _clean(result.stdout, result.stderr)
 
@@ -88,8 +106,9 @@ def test_a_user_variable_with_credentials_is_masked_in_warnings() -> None:
     ],
 )
 def test_network_errors_mask_the_endpoint(command: tuple[str, ...], storage_env: dict[str, str]) -> None:
-    result = run_cli(*command, "--endpoint-url", ENDPOINT,
-                     env={**storage_env, "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"})
+    result = run_cli(
+        *command, "--endpoint-url", ENDPOINT, env={**storage_env, "AWS_MAX_ATTEMPTS": "1", "AWS_RETRY_MODE": "standard"}
+    )
     assert result.exit_code == 6, (result.stdout, result.stderr)
     _clean(result.stdout, result.stderr)
     assert "***@127.0.0.1:9" in result.stdout + result.stderr  # the endpoint is still named
@@ -101,14 +120,35 @@ def test_launch_gets_the_real_endpoint(tmp_path: Path) -> None:
     bin_dir.mkdir()
     record = tmp_path / "record.json"
     script = bin_dir / "vllm"
-    script.write_text(f"#!{sys.executable}\nimport json, os, sys\n"
-                      f"json.dump({{'argv': sys.argv, 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n")
+    script.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        f"json.dump({{'argv': sys.argv, 'env': dict(os.environ)}}, open({str(record)!r}, 'w'))\n"
+    )
     script.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     model = "s3://bkt/model"
-    done = subprocess.run([sys.executable, "-m", "streamctl", "serve", model, "-q", "--no-preflight", "--not-sharded",
-                           "--endpoint-url", ENDPOINT, "--", "--api-key", SECRET], env=env,
-                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamctl",
+            "serve",
+            model,
+            "-q",
+            "--no-preflight",
+            "--not-sharded",
+            "--endpoint-url",
+            ENDPOINT,
+            "--",
+            "--api-key",
+            SECRET,
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     launched = json.loads(record.read_text())
     assert launched["env"]["AWS_ENDPOINT_URL"] == ENDPOINT
@@ -120,8 +160,19 @@ def test_launch_gets_the_real_endpoint(tmp_path: Path) -> None:
     [
         (("serve", "s3://bkt/model", "--no-preflight", "--not-sharded", "--k8s", "--endpoint-url", ENDPOINT), {}),
         (("serve", "s3://bkt/model", "--no-preflight", "--not-sharded", "--k8s"), {"AWS_ENDPOINT_URL": ENDPOINT}),
-        (("serve", "s3://bkt/model", "--no-preflight", "--not-sharded", "--k8s", "--",
-          "--otlp-traces-endpoint", f"http://o:{SECRET}@collector:4317"), {}),
+        (
+            (
+                "serve",
+                "s3://bkt/model",
+                "--no-preflight",
+                "--not-sharded",
+                "--k8s",
+                "--",
+                "--otlp-traces-endpoint",
+                f"http://o:{SECRET}@collector:4317",
+            ),
+            {},
+        ),
         (("transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job", "--endpoint-url", ENDPOINT), {}),
         (("transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job"), {"AWS_ENDPOINT_URL": ENDPOINT}),
         (("transfer", "org/model", f"https://acct.blob.core.windows.net/c/m?sig={SECRET}", "--k8s-job"), {}),
@@ -139,11 +190,22 @@ def test_manifests_refuse_urls_with_credentials(command: tuple[str, ...], env: d
 
 
 def test_manifests_without_credentials_still_work() -> None:
-    serve = run_cli("serve", "s3://bkt/model", "--no-preflight", "--not-sharded", "--k8s",
-                    "--endpoint-url", "http://minio.storage:9000", "--secret", "creds")
+    serve = run_cli(
+        "serve",
+        "s3://bkt/model",
+        "--no-preflight",
+        "--not-sharded",
+        "--k8s",
+        "--endpoint-url",
+        "http://minio.storage:9000",
+        "--secret",
+        "creds",
+    )
     assert serve.exit_code == 0, serve.stderr
     assert "http://minio.storage:9000" in serve.stdout
-    job = run_cli("transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job", "--endpoint-url", "http://minio.storage:9000")
+    job = run_cli(
+        "transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job", "--endpoint-url", "http://minio.storage:9000"
+    )
     assert job.exit_code == 0, job.stderr
 
 

@@ -13,7 +13,15 @@ from cli_helpers import run_cli
 COMMANDS = ("", "transfer", "verify-index", "shard", "serve")
 # Imported by Typer's own help renderer (rich.markdown, rich.traceback) or by its pydantic coercion of an
 # unset --help; together ~100 ms of a 180 ms `--help`. None of them is needed to print help.
-HEAVY_AT_HELP = ("pydantic", "pydantic_core", "rich.markdown", "markdown_it", "rich.traceback", "rich.syntax", "typer.rich_utils")
+HEAVY_AT_HELP = (
+    "pydantic",
+    "pydantic_core",
+    "rich.markdown",
+    "markdown_it",
+    "rich.traceback",
+    "rich.syntax",
+    "typer.rich_utils",
+)
 CLOUD_AND_NUMERIC = ("boto3", "botocore", "google", "azure", "huggingface_hub", "numpy", "torch")
 
 

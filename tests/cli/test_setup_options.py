@@ -22,28 +22,82 @@ def model(tmp_path: Path) -> str:
 
 REFUSED = {
     # Which data or where it is: ignoring them could read or write other data than meant.
-    "verify --endpoint-url": (["verify-index", "{model}", "--endpoint-url", "http://127.0.0.1:9"], "--endpoint-url applies to s3:// locations"),
-    "verify --azure-account": (["verify-index", "{model}", "--azure-account", "acct"], "--azure-account applies to az:// locations"),
-    "transfer --revision": (["transfer", "{model}", "{out}", "--revision", "v1", "--dry-run"], "--revision applies to Hugging Face sources"),
-    "transfer --repo-type": (["transfer", "{model}", "{out}", "--repo-type", "dataset", "--dry-run"], "--repo-type applies to Hugging Face sources"),
-    "shard --endpoint-url": (["shard", "{model}", "{out}", "-tp", "2", "--endpoint-url", "http://127.0.0.1:9"], "--endpoint-url applies to s3://"),
-    "serve --azure-account": (["serve", "{model}", "--dry-run", "--azure-account", "acct"], "--azure-account applies to az://"),
+    "verify --endpoint-url": (
+        ["verify-index", "{model}", "--endpoint-url", "http://127.0.0.1:9"],
+        "--endpoint-url applies to s3:// locations",
+    ),
+    "verify --azure-account": (
+        ["verify-index", "{model}", "--azure-account", "acct"],
+        "--azure-account applies to az:// locations",
+    ),
+    "transfer --revision": (
+        ["transfer", "{model}", "{out}", "--revision", "v1", "--dry-run"],
+        "--revision applies to Hugging Face sources",
+    ),
+    "transfer --repo-type": (
+        ["transfer", "{model}", "{out}", "--repo-type", "dataset", "--dry-run"],
+        "--repo-type applies to Hugging Face sources",
+    ),
+    "shard --endpoint-url": (
+        ["shard", "{model}", "{out}", "-tp", "2", "--endpoint-url", "http://127.0.0.1:9"],
+        "--endpoint-url applies to s3://",
+    ),
+    "serve --azure-account": (
+        ["serve", "{model}", "--dry-run", "--azure-account", "acct"],
+        "--azure-account applies to az://",
+    ),
     # Kubernetes options without the mode that uses them (serve would launch vLLM here instead).
-    "serve --namespace": (["serve", "{model}", "--dry-run", "--namespace", "ml"], "--namespace applies only with --k8s"),
+    "serve --namespace": (
+        ["serve", "{model}", "--dry-run", "--namespace", "ml"],
+        "--namespace applies only with --k8s",
+    ),
     "serve --image": (["serve", "{model}", "--dry-run", "--image", "vllm:x"], "--image applies only with --k8s"),
-    "serve --accelerator": (["serve", "{model}", "--dry-run", "--accelerator", "nvidia-l4"], "--accelerator applies only with --k8s"),
-    "serve --service-account": (["serve", "{model}", "--dry-run", "--service-account", "sa"], "--service-account applies only with --k8s"),
-    "transfer --secret": (["transfer", "{model}", "{out}", "--dry-run", "--secret", "hf"], "--secret applies only with --k8s-job"),
-    "transfer --namespace": (["transfer", "{model}", "{out}", "--namespace", "ml"], "--namespace applies only with --k8s-job"),
+    "serve --accelerator": (
+        ["serve", "{model}", "--dry-run", "--accelerator", "nvidia-l4"],
+        "--accelerator applies only with --k8s",
+    ),
+    "serve --service-account": (
+        ["serve", "{model}", "--dry-run", "--service-account", "sa"],
+        "--service-account applies only with --k8s",
+    ),
+    "transfer --secret": (
+        ["transfer", "{model}", "{out}", "--dry-run", "--secret", "hf"],
+        "--secret applies only with --k8s-job",
+    ),
+    "transfer --namespace": (
+        ["transfer", "{model}", "{out}", "--namespace", "ml"],
+        "--namespace applies only with --k8s-job",
+    ),
     # Contradictions: one of the two would silently lose.
-    "serve --tune --concurrency": (["serve", "{model}", "--tune", "--concurrency", "4", "--dry-run"], "--concurrency and --tune together"),
+    "serve --tune --concurrency": (
+        ["serve", "{model}", "--tune", "--concurrency", "4", "--dry-run"],
+        "--concurrency and --tune together",
+    ),
     "serve --k8s --json": (["serve", "{model}", "--k8s", "--json"], "--k8s and --json together"),
-    "transfer --k8s-job --dry-run": (["transfer", "{model}", "s3://b/m", "--k8s-job", "--dry-run"], "--k8s-job and --dry-run together"),
-    "transfer --all-files --include": (["transfer", "{model}", "{out}", "--all-files", "--include", "*.md"], "--all-files and --include together"),
-    "transfer --k8s-job --json": (["transfer", "{model}", "s3://b/m", "--k8s-job", "--json"], "--k8s-job and --json together"),
-    "verify -tp --not-sharded": (["verify-index", "{model}", "-tp", "2", "--not-sharded"], "--tensor-parallel-size describes a sharded"),
-    "verify -pp --not-sharded": (["verify-index", "{model}", "-pp", "2", "--not-sharded"], "--pipeline-parallel-size describes a sharded"),
-    "verify --pattern --not-sharded": (["verify-index", "{model}", "--pattern", "m-{{rank}}.safetensors", "--not-sharded"], "--pattern describes"),
+    "transfer --k8s-job --dry-run": (
+        ["transfer", "{model}", "s3://b/m", "--k8s-job", "--dry-run"],
+        "--k8s-job and --dry-run together",
+    ),
+    "transfer --all-files --include": (
+        ["transfer", "{model}", "{out}", "--all-files", "--include", "*.md"],
+        "--all-files and --include together",
+    ),
+    "transfer --k8s-job --json": (
+        ["transfer", "{model}", "s3://b/m", "--k8s-job", "--json"],
+        "--k8s-job and --json together",
+    ),
+    "verify -tp --not-sharded": (
+        ["verify-index", "{model}", "-tp", "2", "--not-sharded"],
+        "--tensor-parallel-size describes a sharded",
+    ),
+    "verify -pp --not-sharded": (
+        ["verify-index", "{model}", "-pp", "2", "--not-sharded"],
+        "--pipeline-parallel-size describes a sharded",
+    ),
+    "verify --pattern --not-sharded": (
+        ["verify-index", "{model}", "--pattern", "m-{{rank}}.safetensors", "--not-sharded"],
+        "--pattern describes",
+    ),
 }
 
 
@@ -61,9 +115,18 @@ def test_options_that_would_do_nothing_are_refused(case: str, model: str, tmp_pa
 WARNED = {
     # How the data is reached: the result is the one asked for, so a warning and the run goes on.
     "verify --path-style": (["verify-index", "{model}", "--path-style"], "--path-style applies to s3:// locations"),
-    "verify --virtual-host-style": (["verify-index", "{model}", "--virtual-host-style"], "--virtual-host-style applies"),
-    "transfer --token": (["transfer", "{model}", "{out}", "--dry-run", "--token", "hf_secret_value"], "--token applies to Hugging Face sources"),
-    "shard --token": (["shard", "{model}", "{out}", "-tp", "2", "--token", "hf_secret_value"], "--token applies to Hugging Face"),
+    "verify --virtual-host-style": (
+        ["verify-index", "{model}", "--virtual-host-style"],
+        "--virtual-host-style applies",
+    ),
+    "transfer --token": (
+        ["transfer", "{model}", "{out}", "--dry-run", "--token", "hf_secret_value"],
+        "--token applies to Hugging Face sources",
+    ),
+    "shard --token": (
+        ["shard", "{model}", "{out}", "-tp", "2", "--token", "hf_secret_value"],
+        "--token applies to Hugging Face",
+    ),
 }
 
 
@@ -88,7 +151,9 @@ def test_ambient_environment_variables_are_not_complaints(model: str, tmp_path: 
 
 
 def test_options_for_a_location_in_the_command_are_accepted(model: str) -> None:
-    result = run_cli("transfer", model, "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job")
+    result = run_cli(
+        "transfer", model, "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job"
+    )
     assert result.exit_code == 0, result.stderr
     assert "--endpoint-url=http://127.0.0.1:9" in result.stdout and "warning" not in result.stderr
     assert run_cli("serve", model, "--k8s", "--namespace", "ml").exit_code == 0

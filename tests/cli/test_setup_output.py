@@ -99,7 +99,9 @@ def _run_in_terminal(args: list[str], columns: int) -> str:
 
 def _values(text: str) -> set[str]:
     """Sizes and file names: what must never be split across two lines (rates differ run to run)."""
-    return set(re.findall(SIZE.pattern + r"(?!/s)", text)) | set(re.findall(r"[\w.*{}-]+\.(?:safetensors|json)\b", text))
+    return set(re.findall(SIZE.pattern + r"(?!/s)", text)) | set(
+        re.findall(r"[\w.*{}-]+\.(?:safetensors|json)\b", text)
+    )
 
 
 @pytest.mark.parametrize("command", ["verify", "plan", "shard"])
@@ -112,6 +114,7 @@ def test_nothing_wraps_mid_value_at_80_columns(model: Path, tmp_path: Path, comm
     wide = run_cli(*args, env={"COLUMNS": "200"})
     narrow = _run_in_terminal(args, 80)
     piped = run_cli(*args, env={"COLUMNS": "80"})  # COLUMNS is honoured for a pipe too
+
     def steady(text: str) -> str:  # rates and timings differ run to run
         return re.sub(r"\d+\.\d+ s|\(\d+(\.\d)? \w+/s\)", "T", text.replace("\r", ""))
 

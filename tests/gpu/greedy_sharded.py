@@ -103,7 +103,16 @@ def main() -> int:
         results: dict[str, Any] = {}
         for label, load_format in LOADS.items():
             model = hf if label == "hf" else sharded
-            child = [sys.executable, __file__, "--tokens", str(args.tokens), "--child", str(model), load_format, str(tp)]
+            child = [
+                sys.executable,
+                __file__,
+                "--tokens",
+                str(args.tokens),
+                "--child",
+                str(model),
+                load_format,
+                str(tp),
+            ]
             completed = subprocess.run(child, capture_output=True, text=True, env=dict(os.environ), check=False)
             if completed.returncode != 0:
                 results[label] = f"failed: {completed.stderr.strip().splitlines()[-1:]}"

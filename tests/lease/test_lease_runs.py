@@ -17,17 +17,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 
 from cli_helpers import run_cli
-from streamctl.errors import DestinationBusy
 from streamctl.checkpoint.files import MANIFEST_NAME
+from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import DestinationBusy
 from streamctl.lease import Holder, LeaseSettings, acquire, hold_lease
 from streamctl.progress import NullProgress
-from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.storage import open_location
 from streamctl.storage.base import LEASE_NAME, Location
 from tiny_models import write_tiny_checkpoint
@@ -59,9 +59,7 @@ def write_source(folder: Path, seed: int, size: int = 48 * MiB) -> dict[str, byt
 
 
 def contents(location: Location) -> dict[str, bytes]:
-    return {
-        location.relative(info.key): location.store.read_range(info.key, 0, info.size) for info in location.list()
-    }
+    return {location.relative(info.key): location.store.read_range(info.key, 0, info.size) for info in location.list()}
 
 
 def raw_names(location: Location) -> list[str]:
@@ -183,7 +181,7 @@ def test_a_stale_lease_of_a_dead_process_on_this_host_is_taken_over(tmp_path: Pa
     dest_folder = tmp_path / "dest"
     dest = open_location(str(dest_folder))
     dead_pid = _dead_pid()
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     holder = _holder_here(dead_pid, now, expires=now + timedelta(hours=1))
     dest_folder.mkdir()
     dest.store.create_if_absent(dest.key(LEASE_NAME), holder.to_bytes())
@@ -195,7 +193,7 @@ def test_a_stale_lease_of_a_dead_process_on_this_host_is_taken_over(tmp_path: Pa
 
 def test_taking_over_a_stale_lease_says_whose_and_why(tmp_path: Path) -> None:
     dest = open_location(str(tmp_path))
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     dead_pid = _dead_pid()
     dest.store.create_if_absent(dest.key(LEASE_NAME), _holder_here(dead_pid, now, now + timedelta(hours=1)).to_bytes())
     notes = Notes()
@@ -217,7 +215,7 @@ def test_a_live_lease_of_another_host_is_refused_until_it_expires(tmp_path: Path
     dest_folder = tmp_path / "dest"
     dest_folder.mkdir()
     dest = open_location(str(dest_folder))
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     elsewhere = Holder("x" * 32, "gpu-node-7", 4242, "streamctl transfer hf://org/other s3://b/m", now, now,
                        now + timedelta(seconds=4))  # fmt: skip
     version = dest.store.create_if_absent(dest.key(LEASE_NAME), elsewhere.to_bytes())
@@ -226,7 +224,7 @@ def test_a_live_lease_of_another_host_is_refused_until_it_expires(tmp_path: Path
     assert "gpu-node-7, pid 4242, started" in refused.stderr
     assert sorted(path.name for path in dest_folder.iterdir()) == [LEASE_NAME]  # nothing written
     assert dest.store.read_versioned(dest.key(LEASE_NAME))[1] == version
-    time.sleep(max(0.0, (elsewhere.expires - datetime.now(timezone.utc)).total_seconds()) + 0.5)
+    time.sleep(max(0.0, (elsewhere.expires - datetime.now(UTC)).total_seconds()) + 0.5)
     taken = run_cli("transfer", str(tmp_path / "a"), str(dest_folder), "--no-verify")
     assert taken.exit_code == 0, taken.stderr
     assert not has_lease(dest)
@@ -294,9 +292,8 @@ def test_lease_lifecycle_in_the_library(any_root: str) -> None:
         with pytest.raises(DestinationBusy):
             acquire(dest, "streamctl test two", notes, fast)
     assert not has_lease(dest)
-    with pytest.raises(RuntimeError):
-        with hold_lease(dest, "streamctl test three", notes, fast):
-            raise RuntimeError("the run failed")
+    with pytest.raises(RuntimeError), hold_lease(dest, "streamctl test three", notes, fast):
+        raise RuntimeError("the run failed")
     assert not has_lease(dest)
     assert notes.messages == []
 
@@ -344,7 +341,7 @@ def test_a_second_shard_into_a_dest_being_written_is_refused(
 
 
 def _dead_pid() -> int:
-    process = subprocess.Popen(["true"])  # noqa: S607
+    process = subprocess.Popen(["true"])
     process.wait()
     return process.pid
 
@@ -395,7 +392,7 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
         return subprocess_module.CompletedProcess(command, 1, "", "CUDA out of memory")
 
     monkeypatch.setattr(shard_module, "check_vllm_engine_available", lambda: None)
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     other = Holder("o" * 32, "gpu-node-2", 77, "streamctl shard x y", now, now, now + timedelta(minutes=2))
     version = dest.store.create_if_absent(dest.key(LEASE_NAME), other.to_bytes())
     options = ShardOptions(2, engine="vllm")

@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cli_helpers import run_cli
 from shard_models import write_model
-
-from streamctl.errors import UsageError
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
-from streamctl.locations import check_disjoint, relation
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import UsageError
+from streamctl.locations import check_disjoint, relation
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
 from streamctl.shard.vllm_engine import shard_with_vllm

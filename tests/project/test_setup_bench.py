@@ -74,7 +74,9 @@ def test_main_returns_the_targets_verdict(script: str) -> None:
     delegations = [
         node
         for node in returns
-        if isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Name) and node.value.func.id in functions
+        if isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id in functions
     ]
     assert verdicts, f"{script}: main() does not return Targets.exit_status()"
     assert all(isinstance(value, int) and value != 0 for value in literals), f"{script}: main() returns {literals}"

@@ -49,8 +49,17 @@ def test_k8s_turns_distributed_streaming_on_for_the_pods_gpus(demo_model: Path) 
 
 
 def test_k8s_does_not_weigh_the_pod_against_this_hosts_memory(demo_model: Path) -> None:
-    args = ("serve", str(demo_model), "--no-preflight", "--not-sharded", "-tp", "8", "--no-distributed",
-            "--memory-limit", "64TiB")
+    args = (
+        "serve",
+        str(demo_model),
+        "--no-preflight",
+        "--not-sharded",
+        "-tp",
+        "8",
+        "--no-distributed",
+        "--memory-limit",
+        "64TiB",
+    )
     host = run_cli(*args, "--dry-run", env=NO_HOST_GPU)
     assert host.exit_code == 0 and "RAM" in host.stderr  # this host is compared: it is where vLLM would run
     k8s = run_cli(*args, "--k8s", env=NO_HOST_GPU)
@@ -81,24 +90,53 @@ def test_pattern_implies_sharded(tmp_path: Path) -> None:
         assert document["load_format"] == "runai_streamer_sharded"
         assert document["extra_config"] == {"pattern": pattern}
     # on a bucket nobody can reach: --pattern alone needs no listing
-    remote = run_cli("serve", "s3://bkt/m", "--no-preflight", "--pattern", pattern, "-tp", "2", "--json",
-                     "--endpoint-url", "http://127.0.0.1:9")
+    remote = run_cli(
+        "serve",
+        "s3://bkt/m",
+        "--no-preflight",
+        "--pattern",
+        pattern,
+        "-tp",
+        "2",
+        "--json",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+    )
     assert remote.exit_code == 0, remote.stderr
     assert remote.json()["load_format"] == "runai_streamer_sharded"
 
 
 def test_pattern_with_not_sharded_is_refused(demo_model: Path) -> None:
-    result = run_cli("serve", str(demo_model), "--no-preflight", "--not-sharded", "--pattern", "x-{rank}-{part}.safetensors")
+    result = run_cli(
+        "serve", str(demo_model), "--no-preflight", "--not-sharded", "--pattern", "x-{rank}-{part}.safetensors"
+    )
     assert result.exit_code == 2
     assert "--not-sharded" in result.stderr
 
 
 def test_no_preflight_listing_failure_names_the_way_out(storage_env: dict[str, str]) -> None:
-    result = run_cli("serve", "s3://bkt/m", "--no-preflight", "--dry-run", "--endpoint-url", "http://127.0.0.1:9",
-                     env={**storage_env, "AWS_MAX_ATTEMPTS": "1"})
+    result = run_cli(
+        "serve",
+        "s3://bkt/m",
+        "--no-preflight",
+        "--dry-run",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        env={**storage_env, "AWS_MAX_ATTEMPTS": "1"},
+    )
     assert result.exit_code == 6, result.stderr
     assert "--sharded or --not-sharded" in result.stderr
-    forced = run_cli("serve", "s3://bkt/m", "--no-preflight", "--sharded", "-tp", "2", "--dry-run",
-                     "--endpoint-url", "http://127.0.0.1:9", env={**storage_env, "AWS_MAX_ATTEMPTS": "1"})
+    forced = run_cli(
+        "serve",
+        "s3://bkt/m",
+        "--no-preflight",
+        "--sharded",
+        "-tp",
+        "2",
+        "--dry-run",
+        "--endpoint-url",
+        "http://127.0.0.1:9",
+        env={**storage_env, "AWS_MAX_ATTEMPTS": "1"},
+    )
     assert forced.exit_code == 0, forced.stderr
     assert "runai_streamer_sharded" in forced.stdout

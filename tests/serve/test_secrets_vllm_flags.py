@@ -39,8 +39,16 @@ SECRETS = (K, K2, T, "-123")
 
 
 def _plain(argv: list[str]) -> list[str]:
-    return list(plan_launch(ServeOptions(model="/m", vllm_args=tuple(argv)), CheckpointFacts(1, 1, 1), sharded=False,
-                            environ={}, cuda_available=True, host_memory_bytes=None).argv)
+    return list(
+        plan_launch(
+            ServeOptions(model="/m", vllm_args=tuple(argv)),
+            CheckpointFacts(1, 1, 1),
+            sharded=False,
+            environ={},
+            cuda_available=True,
+            host_memory_bytes=None,
+        ).argv
+    )
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS, ids=" ".join)
@@ -55,8 +63,16 @@ def test_every_spelling_is_masked(spelling: list[str]) -> None:
     ]  # everything else is shown as written
 
 
-@pytest.mark.parametrize("argv", [["--max-model-len", "2048"], ["--hf-overrides", "{}"], ["--hf-token"],
-                                  ["--host", "0.0.0.0", "--port", "8000"], ["--served-model-name", "api-key"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--max-model-len", "2048"],
+        ["--hf-overrides", "{}"],
+        ["--hf-token"],
+        ["--host", "0.0.0.0", "--port", "8000"],
+        ["--served-model-name", "api-key"],
+    ],
+)
 def test_other_options_are_shown_as_written(argv: list[str]) -> None:
     assert masked_arguments(argv) == argv
     assert secret_values(argv) == []
@@ -81,8 +97,16 @@ def test_serve_dry_run_json_and_k8s(spelling: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["--load_format", "auto"], ["--load-f=auto"], ["--tensor_parallel_size", "2"], ["--tensor-p=2"],
-     ["--model-loader-extra-config", "{}"], ["--model_loader_extra_config={}"], ["--model-l", "{}"], ["-tp=2"]],
+    [
+        ["--load_format", "auto"],
+        ["--load-f=auto"],
+        ["--tensor_parallel_size", "2"],
+        ["--tensor-p=2"],
+        ["--model-loader-extra-config", "{}"],
+        ["--model_loader_extra_config={}"],
+        ["--model-l", "{}"],
+        ["-tp=2"],
+    ],
     ids=" ".join,
 )
 def test_flags_streamctl_sets_are_refused_however_spelled(argv: list[str]) -> None:
@@ -98,7 +122,9 @@ def test_model_is_not_mistaken_for_an_abbreviation() -> None:
 
 # ------------------------------------------------------------------------------------------ vLLM as the judge
 
-_SECRET_WORDS = re.compile(r"(^|_)(api_key|key|keys|token|tokens|secret|secrets|password|passwd|credential|credentials|auth)($|_)")
+_SECRET_WORDS = re.compile(
+    r"(^|_)(api_key|key|keys|token|tokens|secret|secrets|password|passwd|credential|credentials|auth)($|_)"
+)
 _NUMERIC_TYPES = {"int", "float", "human_readable_int", "human_readable_int_or_auto"}
 
 

@@ -34,11 +34,25 @@ FACTS = CheckpointFacts(total_bytes=16 * GiB, largest_tensor_bytes=1 * GiB, file
 STORAGE_FIELDS = ("endpoint_url", "path_style", "azure_account")
 
 
-def plan(model: str, environ: dict[str, str] | None = None, *, sharded: bool = False, cuda: bool = True,
-         facts: CheckpointFacts | None = FACTS, ram: int | None = 512 * GiB, **options: Any):
+def plan(
+    model: str,
+    environ: dict[str, str] | None = None,
+    *,
+    sharded: bool = False,
+    cuda: bool = True,
+    facts: CheckpointFacts | None = FACTS,
+    ram: int | None = 512 * GiB,
+    **options: Any,
+):
     storage = StorageOptions(**{name: options.pop(name) for name in STORAGE_FIELDS if name in options})
-    return plan_launch(ServeOptions(model=model, storage=storage, **options), facts, sharded=sharded,
-                       environ=environ or {}, cuda_available=cuda, host_memory_bytes=ram)
+    return plan_launch(
+        ServeOptions(model=model, storage=storage, **options),
+        facts,
+        sharded=sharded,
+        environ=environ or {},
+        cuda_available=cuda,
+        host_memory_bytes=ram,
+    )
 
 
 # ------------------------------------------------------------------------------------------ golden launches
@@ -46,8 +60,17 @@ def plan(model: str, environ: dict[str, str] | None = None, *, sharded: bool = F
 
 def test_local_tp1() -> None:
     launch = plan("/models/llama")
-    assert launch.argv == ("vllm", "serve", "/models/llama", "--load-format", "runai_streamer",
-                           "--tensor-parallel-size", "1", "--model-loader-extra-config", '{"concurrency":16}')
+    assert launch.argv == (
+        "vllm",
+        "serve",
+        "/models/llama",
+        "--load-format",
+        "runai_streamer",
+        "--tensor-parallel-size",
+        "1",
+        "--model-loader-extra-config",
+        '{"concurrency":16}',
+    )
     assert dict(launch.env) == {}
     assert launch.warnings == ()
 
@@ -91,14 +114,21 @@ def test_gs_and_az() -> None:
 
 
 def test_sharded_moves_tuning_to_the_environment() -> None:
-    launch = plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, concurrency=32, memory_limit=0,
-                  facts=CheckpointFacts(8 * GiB, GiB, 2, sharded_ranks=2))
+    launch = plan(
+        "s3://bkt/sharded",
+        sharded=True,
+        tensor_parallel_size=2,
+        concurrency=32,
+        memory_limit=0,
+        facts=CheckpointFacts(8 * GiB, GiB, 2, sharded_ranks=2),
+    )
     assert launch.load_format == "runai_streamer_sharded"
     assert "--model-loader-extra-config" not in launch.argv  # default pattern: nothing to say
     assert launch.env["RUNAI_STREAMER_CONCURRENCY"] == "32"
     assert launch.env["RUNAI_STREAMER_MEMORY_LIMIT"] == "0"
-    custom = plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, pattern="m-{rank}-{part}.safetensors",
-                  facts=None)
+    custom = plan(
+        "s3://bkt/sharded", sharded=True, tensor_parallel_size=2, pattern="m-{rank}-{part}.safetensors", facts=None
+    )
     assert json.loads(custom.argv[-1]) == {"pattern": "m-{rank}-{part}.safetensors"}
     gs = plan("gs://bkt/sharded", sharded=True, facts=None)
     assert any("s3://" in w and "vllm#38568" in w for w in gs.warnings)
@@ -136,16 +166,28 @@ def test_memory_limit_checks() -> None:
 
 
 def test_experimental_engram_recipe() -> None:
-    engram = EngramOptions(("model-00047-of-00048.safetensors", "model-00048-of-00048.safetensors"), 100 * GiB,
-                           ("*engram*",))
-    launch = plan("s3://bucket/deepseek-v4-1-flash/", engram=engram, tensor_parallel_size=1,
-                  memory_limit=32 * GiB, distributed=True)
+    engram = EngramOptions(
+        ("model-00047-of-00048.safetensors", "model-00048-of-00048.safetensors"), 100 * GiB, ("*engram*",)
+    )
+    launch = plan(
+        "s3://bucket/deepseek-v4-1-flash/",
+        engram=engram,
+        tensor_parallel_size=1,
+        memory_limit=32 * GiB,
+        distributed=True,
+    )
     assert launch.experimental
-    assert launch.env["VLLM_RUNAI_CPU_WEIGHT_FILES"] == "model-00047-of-00048.safetensors,model-00048-of-00048.safetensors"
+    assert (
+        launch.env["VLLM_RUNAI_CPU_WEIGHT_FILES"] == "model-00047-of-00048.safetensors,model-00048-of-00048.safetensors"
+    )
     assert launch.env["VLLM_RUNAI_CPU_MEMORY_LIMIT"] == str(100 * GiB)
-    for name, value in {"VLLM_USE_RUST_FRONTEND": "0", "RUNAI_STREAMER_PARTITION_POLICY": "spans",
-                        "VLLM_RUNAI_SINGLE_ENGRAM_READER": "1", "VLLM_RUNAI_BORROWED_WEIGHTS": "1",
-                        "VLLM_RUNAI_USE_LOCAL_WEIGHT_INDEX": "1"}.items():
+    for name, value in {
+        "VLLM_USE_RUST_FRONTEND": "0",
+        "RUNAI_STREAMER_PARTITION_POLICY": "spans",
+        "VLLM_RUNAI_SINGLE_ENGRAM_READER": "1",
+        "VLLM_RUNAI_BORROWED_WEIGHTS": "1",
+        "VLLM_RUNAI_USE_LOCAL_WEIGHT_INDEX": "1",
+    }.items():
         assert launch.env[name] == value
     assert any("EXPERIMENTAL" in w for w in launch.warnings)
     assert "VLLM_RUNAI_CPU_WEIGHT_FILES" not in plan("s3://bkt/m").env
@@ -197,20 +239,33 @@ def fake_vllm(tmp_path: Path) -> dict[str, str]:
 
 def test_exec_replaces_the_process_and_passes_the_exit_code(demo_model: Path, fake_vllm: dict[str, str]) -> None:
     env = {**os.environ, **fake_vllm, "FAKE_VLLM_EXIT": "42"}
-    process = subprocess.Popen([sys.executable, "-m", "streamctl", "serve", str(demo_model), "-q", "--",
-                                "--max-model-len", "2048"], env=env, stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamctl", "serve", str(demo_model), "-q", "--", "--max-model-len", "2048"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+    )
     assert process.wait(60) == 42
     record = json.loads(Path(fake_vllm["FAKE_VLLM_RECORD"]).read_text())
     assert record["pid"] == process.pid  # exec, not a child process
-    assert record["argv"][1:] == ["serve", str(demo_model), "--load-format", "runai_streamer",
-                                  "--tensor-parallel-size", "1", "--model-loader-extra-config",
-                                  '{"concurrency":16}', "--max-model-len", "2048"]
+    assert record["argv"][1:] == [
+        "serve",
+        str(demo_model),
+        "--load-format",
+        "runai_streamer",
+        "--tensor-parallel-size",
+        "1",
+        "--model-loader-extra-config",
+        '{"concurrency":16}',
+        "--max-model-len",
+        "2048",
+    ]
 
 
 def test_signals_reach_vllm(demo_model: Path, fake_vllm: dict[str, str]) -> None:
     env = {**os.environ, **fake_vllm, "FAKE_VLLM_SLEEP": "30"}
-    process = subprocess.Popen([sys.executable, "-m", "streamctl", "serve", str(demo_model), "-q"], env=env,
-                               stdin=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamctl", "serve", str(demo_model), "-q"], env=env, stdin=subprocess.DEVNULL
+    )
     record_path = Path(fake_vllm["FAKE_VLLM_RECORD"])
     deadline = time.monotonic() + 30
     while not record_path.exists() and time.monotonic() < deadline:
@@ -260,8 +315,9 @@ def _upload(folder: Path, url: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["s3", "gs", "az"])
-def test_preflight_against_buckets(demo_model: Path, backend: str, request: pytest.FixtureRequest,
-                                   storage_env: dict[str, str]) -> None:
+def test_preflight_against_buckets(
+    demo_model: Path, backend: str, request: pytest.FixtureRequest, storage_env: dict[str, str]
+) -> None:
     root = request.getfixturevalue(f"{backend}_root")
     _upload(demo_model, root)
     ok = run_cli("serve", root, "--json", env=storage_env)
@@ -269,27 +325,34 @@ def test_preflight_against_buckets(demo_model: Path, backend: str, request: pyte
     assert ok.json()["argv"][2] == root
     missing = run_cli("serve", root + "-missing/prefix", "--json", env=storage_env)
     assert missing.exit_code == 3, missing.stderr
-    open_location(root).store.put(open_location(root).key("stray.safetensors"),
-                                  (demo_model / "model-00002-of-00002.safetensors").read_bytes())
+    open_location(root).store.put(
+        open_location(root).key("stray.safetensors"), (demo_model / "model-00002-of-00002.safetensors").read_bytes()
+    )
     stray = run_cli("serve", root, "--json", env=storage_env)
     assert stray.exit_code == 1 and "unindexed-safetensors" in stray.stderr
 
 
-def test_preflight_wrong_credentials_and_endpoint(demo_model: Path, az_root: str, s3_root: str,
-                                                  storage_env: dict[str, str]) -> None:
+def test_preflight_wrong_credentials_and_endpoint(
+    demo_model: Path, az_root: str, s3_root: str, storage_env: dict[str, str]
+) -> None:
     _upload(demo_model, az_root)
     wrong_key = storage_env["AZURE_STORAGE_CONNECTION_STRING"].replace("AccountKey=Eby8", "AccountKey=AAAA")
     denied = run_cli("serve", az_root, "--json", env={**storage_env, "AZURE_STORAGE_CONNECTION_STRING": wrong_key})
     assert denied.exit_code == 4, denied.stderr
     assert "hint:" in denied.stderr
-    unreachable = run_cli("serve", s3_root, "--json", "--endpoint-url", "http://127.0.0.1:9",
-                          env={**storage_env, "AWS_MAX_ATTEMPTS": "1"})
+    unreachable = run_cli(
+        "serve", s3_root, "--json", "--endpoint-url", "http://127.0.0.1:9", env={**storage_env, "AWS_MAX_ATTEMPTS": "1"}
+    )
     assert unreachable.exit_code == 6, unreachable.stderr
 
 
 def test_secrets_never_printed(demo_model: Path, s3_root: str, storage_env: dict[str, str]) -> None:
     _upload(demo_model, s3_root)
-    secrets = {"AWS_SECRET_ACCESS_KEY": "testing", "HF_TOKEN": "hf_SECRETsecret123", "AZURE_STORAGE_KEY": "azSECRETkey=="}
+    secrets = {
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "HF_TOKEN": "hf_SECRETsecret123",
+        "AZURE_STORAGE_KEY": "azSECRETkey==",
+    }
     env = {**storage_env, **secrets}
     outputs = []
     for args in (["--dry-run"], ["--json"], ["--k8s", "--secret", "creds"]):
@@ -309,8 +372,22 @@ def test_k8s_manifests_match_the_kubernetes_schema(demo_model: Path) -> None:
     import yaml
     from kubernetes import client
 
-    result = run_cli("serve", str(demo_model), "--k8s", "-tp", "2", "--service-account", "gcs-access",
-                     "--accelerator", "nvidia-l4", "--memory-limit", "1GiB", "--", "--max-model-len", "2048")
+    result = run_cli(
+        "serve",
+        str(demo_model),
+        "--k8s",
+        "-tp",
+        "2",
+        "--service-account",
+        "gcs-access",
+        "--accelerator",
+        "nvidia-l4",
+        "--memory-limit",
+        "1GiB",
+        "--",
+        "--max-model-len",
+        "2048",
+    )
     assert result.exit_code == 0, result.stderr
     documents = list(yaml.safe_load_all(result.stdout))
     assert [d["kind"] for d in documents] == ["Deployment", "Service"]
@@ -349,7 +426,7 @@ def test_tune_without_the_streamer_names_the_extra(demo_model: Path) -> None:
 
 # ------------------------------------------------------------------------------------------ vLLM as the judge
 
-from oracle import check_serve_args_many, oracle_python, requires_vllm_oracle  # noqa: E402
+from oracle import check_serve_args_many, oracle_python, requires_vllm_oracle
 
 
 @requires_vllm_oracle
@@ -363,8 +440,13 @@ def test_every_generated_launch_passes_vllms_own_parser() -> None:
         plan("gs://bkt/gemma", tensor_parallel_size=2, concurrency=32),
         plan("az://models/llama", azure_account="acct", vllm_args=("--max-model-len", "2048")),
         plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, facts=sharded_facts, concurrency=4),
-        plan("s3://bkt/sharded", sharded=True, tensor_parallel_size=2, facts=None,
-             pattern="custom-rank-{rank}-part-{part}.safetensors"),
+        plan(
+            "s3://bkt/sharded",
+            sharded=True,
+            tensor_parallel_size=2,
+            facts=None,
+            pattern="custom-rank-{rank}-part-{part}.safetensors",
+        ),
     ]
     verdicts = check_serve_args_many([list(launch.argv[2:]) for launch in launches])
     for launch, verdict in zip(launches, verdicts):
@@ -386,7 +468,11 @@ def test_tune_with_the_real_streamer(demo_model: Path, where: str, request: pyte
     assert python is not None
     completed = subprocess.run(
         [python, "-m", "streamctl", "serve", model, "--tune", "--json"],
-        capture_output=True, text=True, env={**os.environ, **env}, timeout=300, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+        stdin=subprocess.DEVNULL,
     )
     assert completed.returncode == 0, completed.stderr
     document = json.loads(completed.stdout)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from streamctl.errors import UsageError
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
@@ -33,9 +34,7 @@ def source(tmp_path: Path) -> Location:
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
-def test_rerun_skips_every_unchanged_rank_file(
-    source: Location, backend: str, request: pytest.FixtureRequest
-) -> None:
+def test_rerun_skips_every_unchanged_rank_file(source: Location, backend: str, request: pytest.FixtureRequest) -> None:
     dest = open_location(request.getfixturevalue(f"{backend}_root"))
     first = shard_checkpoint(source, dest, OPTIONS)
     assert first.skipped == () and first.bytes_written > 0

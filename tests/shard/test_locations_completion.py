@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cli_helpers import run_cli
 from shard_models import write_model
-
-from streamctl.errors import NotFoundError, RemoteError, StreamctlError
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
+from streamctl.errors import NotFoundError, RemoteError, StreamctlError
 from streamctl.retry import RetryPolicy
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from shard_models import (
     NUMPY_DTYPES,
     ONE_F32,
@@ -26,7 +27,6 @@ from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, layout_row, parse_ver
 from streamctl.errors import UsageError
 from streamctl.shard.blocks import cast_bits
 from streamctl.shard.plan import pipeline_stages
-
 
 # ---------------------------------------------------------------------------------------------------
 # Names, shapes and bytes per rank

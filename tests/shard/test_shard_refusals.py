@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from cli_helpers import run_cli
 from shard_models import (
     KINDS,
@@ -20,7 +21,6 @@ from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.planning import plan_shard
 from streamctl.storage import open_location
-
 
 # ---------------------------------------------------------------------------------------------------
 # Bad input through the CLI: exit 2 and a message that names the problem

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from shard_models import (
     assert_rank_matches,
     read_file,
@@ -20,7 +21,6 @@ from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.shard.plan import ShardOptions
 from streamctl.storage import open_location
-
 
 # ---------------------------------------------------------------------------------------------------
 # vLLM 0.33 as the judge (oracle venv; skipped without it)
@@ -154,7 +154,6 @@ def test_files_are_byte_identical_to_vllms_own_save(tmp_path: Path) -> None:
         assert sorted(path.name for path in ours.glob("*.safetensors")) == theirs, job
         for name in theirs:
             assert (ours / name).read_bytes() == (job["out_dir"] / name).read_bytes(), (job, name)
-
 
 
 @requires_vllm_oracle

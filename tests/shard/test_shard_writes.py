@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from cli_helpers import run_cli
 from shard_models import (
     assert_rank_matches,
@@ -29,7 +30,6 @@ from streamctl.shard.result import ShardCheckFailed
 from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
-
 
 # ---------------------------------------------------------------------------------------------------
 # Destination contents, manifest, force, failures

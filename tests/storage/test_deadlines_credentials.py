@@ -17,9 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
 from cli_helpers import run_cli
 from servers import AZURITE_ACCOUNT, free_port
-
 from streamctl import sdklogging
 
 pytestmark = pytest.mark.timeout(120)
@@ -30,7 +30,7 @@ class _Imds(ThreadingHTTPServer):
 
 
 class _NoIdentity(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         assert isinstance(self.server, _Imds)
         self.server.requests += 1
         body = json.dumps({"error": "invalid_request", "error_description": "Identity not found"}).encode()
@@ -117,8 +117,13 @@ def test_sdk_loggers_are_silent_unless_debug() -> None:
     try:
         sdklogging.configure(debug=False)
         sdklogging.apply_all()
-        for name in ("azure.identity._credentials.chained", "botocore.retryhandler", "urllib3.connectionpool",
-                     "google.auth._default", "huggingface_hub.utils._http"):
+        for name in (
+            "azure.identity._credentials.chained",
+            "botocore.retryhandler",
+            "urllib3.connectionpool",
+            "google.auth._default",
+            "huggingface_hub.utils._http",
+        ):
             logging.getLogger(name).warning("noise")
         assert records == []
     finally:

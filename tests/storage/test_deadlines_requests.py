@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from checkpoints import write_hf_checkpoint
 from cli_helpers import run_cli
 from servers import azurite_connection_string
 from slowproxy import SlowProxy
-
-from streamctl.errors import DeadlineExceededError
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import DeadlineExceededError
 from streamctl.storage import StorageOptions, open_location
 
 BASE_S = 1.5  # STREAMCTL_DEADLINE_BASE_S for these tests
@@ -105,8 +105,12 @@ def _run(*args: str, env: dict[str, str]) -> tuple[Any, float]:
 
 
 # Each backend meets two of the three ways to hang (all three on S3), to keep the suite's time down.
-MODES = {"s3": ("dribble", "silent", "slow_head"), "gs": ("dribble", "slow_head"), "az": ("silent", "dribble"),
-         "hf": ("slow_head", "silent")}
+MODES = {
+    "s3": ("dribble", "silent", "slow_head"),
+    "gs": ("dribble", "slow_head"),
+    "az": ("silent", "dribble"),
+    "hf": ("slow_head", "silent"),
+}
 
 
 @pytest.mark.parametrize("mode", ["dribble", "silent", "slow_head"])

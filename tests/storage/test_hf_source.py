@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from fakehub import FakeHub, FakeRepo, git_blob_sha1
 
+from fakehub import FakeHub, FakeRepo, git_blob_sha1
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import Location, StorageOptions, open_location, parse_url
 from streamctl.storage.hf import HfStore

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -141,7 +141,7 @@ def test_unfinished_uploads_carry_their_start_time_and_recent_ones_are_kept(any_
     old = root.store.start_multipart(root.key("old.bin"), len(part))
     old.upload_part(0, part)
     time.sleep(1.5)  # S3 and Azure times have one-second or millisecond resolution
-    cutoff = datetime.now(timezone.utc)
+    cutoff = datetime.now(UTC)
     time.sleep(1.5)
     live = root.store.start_multipart(root.key("live.bin"), len(part))
     live.upload_part(0, part)

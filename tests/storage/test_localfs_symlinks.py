@@ -82,7 +82,13 @@ def test_transfer_plan_reports_every_link_and_follows_only_those_inside(linked_s
 def test_follow_symlinks_copies_links_that_lead_outside(linked_source: Path, tmp_path: Path) -> None:
     dest = tmp_path / "dest"
     result = run_cli(
-        "transfer", str(linked_source), str(dest), "--all-files", "--follow-symlinks", "--json", "--no-verify",
+        "transfer",
+        str(linked_source),
+        str(dest),
+        "--all-files",
+        "--follow-symlinks",
+        "--json",
+        "--no-verify",
         timeout=TIMEOUT,
     )
     assert result.exit_code == 0, result.stderr

@@ -49,7 +49,8 @@ def _write_tree(root: Path, files: dict[str, bytes]) -> None:
 
 
 def test_the_long_names_are_as_long_as_the_issue_says() -> None:
-    from streamctl.storage.base import TEMPORARY_FOLDER as reserved, parse_temporary_key, temporary_key
+    from streamctl.storage.base import TEMPORARY_FOLDER as reserved
+    from streamctl.storage.base import parse_temporary_key, temporary_key
 
     assert reserved == TEMPORARY_FOLDER
     assert len(LONG_ASCII.encode()) == 250 and len(LONG_UTF8_250.encode()) == 250

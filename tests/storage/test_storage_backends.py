@@ -155,9 +155,8 @@ def test_error_mapping_covers_what_servers_cannot_produce(scheme: str) -> None:
 def test_guard_translates_sdk_errors_only() -> None:
     from streamctl.storage._errors import guard
 
-    with pytest.raises(RemoteError):
-        with guard(lambda error: RemoteError(str(error))):
-            raise ConnectionResetError("reset by peer")  # sockets raise OSError through every SDK
+    with pytest.raises(RemoteError), guard(lambda error: RemoteError(str(error))):
+        raise ConnectionResetError("reset by peer")  # sockets raise OSError through every SDK
     with pytest.raises(KeyError):  # a bug in our own code is not disguised as a service failure
         with guard(lambda error: RemoteError(str(error))):
             raise KeyError("bug")

@@ -16,12 +16,12 @@ import os
 import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from servers import AZURITE_KEY, GCSServer, S3Server, StorageServers, azurite_connection_string, unique_name
 
+from servers import AZURITE_KEY, GCSServer, S3Server, StorageServers, azurite_connection_string, unique_name
 from streamctl.errors import (
     AccessDeniedError,
     NotFoundError,
@@ -278,9 +278,7 @@ def test_multipart_without_parts_gives_an_empty_object(any_root: str) -> None:
     assert root.store.stat(key).size == 0
 
 
-def test_gcs_multipart_composes_more_than_32_parts_and_cleans_up(
-    gs_root: str, storage_servers: StorageServers
-) -> None:
+def test_gcs_multipart_composes_more_than_32_parts_and_cleans_up(gs_root: str, storage_servers: StorageServers) -> None:
     root = open_root(gs_root)
     key = root.key("many-parts.bin")
     parts = [bytes([index]) * 1000 for index in range(70)]  # 70 sources: two levels of compose
@@ -435,7 +433,7 @@ def test_azure_wrong_key_and_read_only_sas_are_access_denied(
         container,
         account_key=AZURITE_KEY,
         permission=ContainerSasPermissions(read=True, list=True),
-        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+        expiry=datetime.now(UTC) + timedelta(hours=1),
     )
     monkeypatch.setenv(
         "AZURE_STORAGE_CONNECTION_STRING",

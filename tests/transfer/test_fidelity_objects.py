@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from servers import StorageServers
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cli_helpers import run_cli
 
-from streamctl.errors import UsageError
+from cli_helpers import run_cli
 from streamctl.checkpoint.files import MANIFEST_NAME
-from streamctl.retry import RetryPolicy
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import UsageError
+from streamctl.retry import RetryPolicy
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer

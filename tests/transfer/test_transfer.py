@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -17,20 +18,20 @@ import pytest
 
 from cli_helpers import run_cli
 from slowproxy import SlowProxy
-from streamctl.errors import IntegrityError, NotFoundError, UsageError
 from streamctl.checkpoint.files import MANIFEST_NAME, select_files
-from streamctl.retry import RetryPolicy
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import IntegrityError, NotFoundError, UsageError
+from streamctl.retry import RetryPolicy
 from streamctl.sizes import parse_size
 from streamctl.storage import StorageOptions, open_location
 from streamctl.storage.base import Location
+from streamctl.storage.url import resolve_source_url, source_identity
 from streamctl.transfer import (
     TransferOptions,
     execute_transfer,
     plan_transfer,
 )
 from streamctl.uploads import part_size_for
-from streamctl.storage.url import resolve_source_url, source_identity
 from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024
@@ -99,8 +100,14 @@ def transfer(source_url: str, dest_url: str, options: TransferOptions = OPTIONS,
 
 def test_default_file_set_and_reasons() -> None:
     paths = list(model_files(big_bytes=8)) + ["consolidated.safetensors", "modeling_x.py", "chat_template.jinja"]
-    chosen = {s.path: s for s in select_files(paths, has_auto_map=False, indexed_shards=frozenset(
-        {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}))}
+    chosen = {
+        s.path: s
+        for s in select_files(
+            paths,
+            has_auto_map=False,
+            indexed_shards=frozenset({"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}),
+        )
+    }
     assert {p for p, s in chosen.items() if s.selected} == SERVING_FILES | {"chat_template.jinja"}
     assert chosen["pytorch_model.bin"].reason.startswith("PyTorch pickle")
     assert "original/" in chosen["original/consolidated.00.pth"].reason
@@ -113,8 +120,9 @@ def test_default_file_set_and_reasons() -> None:
 
 def test_include_exclude_and_all_files() -> None:
     paths = ["config.json", "model.safetensors", "pytorch_model.bin", "README.md"]
-    refined = {s.path: s.selected for s in select_files(
-        paths, has_auto_map=False, include=["*.bin"], exclude=["config.json"])}
+    refined = {
+        s.path: s.selected for s in select_files(paths, has_auto_map=False, include=["*.bin"], exclude=["config.json"])
+    }
     assert refined == {"config.json": False, "model.safetensors": True, "pytorch_model.bin": True, "README.md": False}
     everything = select_files(paths + [MANIFEST_NAME], has_auto_map=False, all_files=True, exclude=["README.md"])
     assert [s.path for s in everything if s.selected] == ["config.json", "model.safetensors", "pytorch_model.bin"]
@@ -334,19 +342,32 @@ def _wait_for(condition: Any, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
-def test_killed_transfer_resumes_without_resending(
-    fake_hub: Any, s3_root: str, storage_env: dict[str, str]
-) -> None:
+def test_killed_transfer_resumes_without_resending(fake_hub: Any, s3_root: str, storage_env: dict[str, str]) -> None:
     rng = random.Random(7)
-    shards = {f"model-0000{i}-of-00004.safetensors": safetensors_bytes(
-        [(f"t{i}", "U8", [6 * MiB], rng.randbytes(6 * MiB))]) for i in range(1, 5)}
+    shards = {
+        f"model-0000{i}-of-00004.safetensors": safetensors_bytes([(f"t{i}", "U8", [6 * MiB], rng.randbytes(6 * MiB))])
+        for i in range(1, 5)
+    }
     index = {"metadata": {}, "weight_map": {f"t{i}": f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)}}
     files = {**shards, "model.safetensors.index.json": json.dumps(index).encode(), "config.json": b"{}"}
     fake_hub.add_repo("org/kill", files)
     dest = open_location(s3_root)
     process = subprocess.Popen(
-        [sys.executable, "-m", "streamctl", "transfer", "org/kill", s3_root, "-j", "1", "--part-size", "5MiB",
-         "--max-buffer", "5MiB", "--no-verify"],
+        [
+            sys.executable,
+            "-m",
+            "streamctl",
+            "transfer",
+            "org/kill",
+            s3_root,
+            "-j",
+            "1",
+            "--part-size",
+            "5MiB",
+            "--max-buffer",
+            "5MiB",
+            "--no-verify",
+        ],
         env={**os.environ, **storage_env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -404,9 +425,10 @@ def test_interrupt_aborts_open_multipart_uploads(fake_hub: Any, s3_root: str, st
 def test_cli_unwritable_destination_exits_4_naming_the_permission(
     fake_hub: Any, az_root: str, storage_env: dict[str, str]
 ) -> None:
-    from datetime import datetime, timedelta, timezone
+    from datetime import datetime, timedelta
 
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
+
     from servers import AZURITE_ACCOUNT, AZURITE_KEY
 
     fake_hub.add_repo("org/ro", model_files(big_bytes=64))
@@ -415,9 +437,12 @@ def test_cli_unwritable_destination_exits_4_naming_the_permission(
     sas = generate_container_sas(
         AZURITE_ACCOUNT, container, account_key=AZURITE_KEY,
         permission=ContainerSasPermissions(read=True, list=True),
-        expiry=datetime.now(timezone.utc) + timedelta(hours=1),
+        expiry=datetime.now(UTC) + timedelta(hours=1),
     )  # fmt: skip
-    read_only = {**storage_env, "AZURE_STORAGE_CONNECTION_STRING": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}"}
+    read_only = {
+        **storage_env,
+        "AZURE_STORAGE_CONNECTION_STRING": f"BlobEndpoint={endpoint};SharedAccessSignature={sas}",
+    }
     result = run_cli("transfer", "org/ro", az_root, env=read_only)
     assert result.exit_code == 4, result.stderr
     assert "Storage Blob Data Contributor" in result.stderr
@@ -429,9 +454,22 @@ def test_k8s_job_is_a_valid_job_without_the_token() -> None:
     from kubernetes import client
 
     token = "hf_k8sSECRET4242"
-    result = run_cli("transfer", "meta-llama/Llama-3.1-70B", "gs://models-usc/llama-70b", "--k8s-job",
-                     "--service-account", "gcs-access", "--secret", "hf-token", "--token", token,
-                     "--include", "*.py", "--revision", "v1")
+    result = run_cli(
+        "transfer",
+        "meta-llama/Llama-3.1-70B",
+        "gs://models-usc/llama-70b",
+        "--k8s-job",
+        "--service-account",
+        "gcs-access",
+        "--secret",
+        "hf-token",
+        "--token",
+        token,
+        "--include",
+        "*.py",
+        "--revision",
+        "v1",
+    )
     assert result.exit_code == 0, result.stderr
     assert token not in result.stdout + result.stderr
     document = yaml.safe_load(result.stdout)
@@ -447,14 +485,15 @@ def test_k8s_job_is_a_valid_job_without_the_token() -> None:
     container = pod["containers"][0]
     assert container["envFrom"] == [{"secretRef": {"name": "hf-token"}}]
     command = " ".join(container["command"])
-    for expected in ("streamctl transfer hf://meta-llama/Llama-3.1-70B gs://models-usc/llama-70b",
-                     "--revision=v1", "'--include=*.py'"):
+    for expected in (
+        "streamctl transfer hf://meta-llama/Llama-3.1-70B gs://models-usc/llama-70b",
+        "--revision=v1",
+        "'--include=*.py'",
+    ):
         assert expected in command
 
 
-def test_faults_on_the_destination_still_end_byte_exact(
-    fake_hub: Any, s3_root: str, storage_servers: Any
-) -> None:
+def test_faults_on_the_destination_still_end_byte_exact(fake_hub: Any, s3_root: str, storage_servers: Any) -> None:
     from faultproxy import FaultProxy
 
     files = model_files()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from verify_helpers import SHARD_1, SHARD_2, error_codes, findings_of, run, warning_codes
+
 from checkpoints import (
     INDEX_NAME,
     counting,
@@ -35,8 +37,6 @@ from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, Usag
 from streamctl.storage.base import Location, ObjectInfo
 from streamctl.verify.report import FINDINGS_PER_CODE_AND_FILE, VerifyOptions
 from streamctl.verify.run import verify_checkpoint
-from verify_helpers import SHARD_1, SHARD_2, error_codes, findings_of, run, warning_codes
-
 
 # ---------------------------------------------------------------------------------------------------
 # Clean checkpoints, on every store

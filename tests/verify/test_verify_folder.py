@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from verify_helpers import error_codes, findings_of, run, warning_codes
 
 from checkpoints import (
     TensorSpec,
@@ -12,8 +13,6 @@ from checkpoints import (
     write_tensor_file,
 )
 from streamctl.storage.base import Location
-from verify_helpers import error_codes, findings_of, run, warning_codes
-
 
 # ---------------------------------------------------------------------------------------------------
 # Serving readiness

@@ -8,16 +8,17 @@ import re
 from typing import Any
 
 import pytest
-from checkpoints import INDEX_NAME, LLAMA_CONFIG, put_bytes, write_serving_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from checkpoints import INDEX_NAME, LLAMA_CONFIG, put_bytes, write_serving_files
 from safetensors_strategies import BASE_FILE, JSON_VALUES, mutated_files
-from streamctl.verify import report as verify_report
-from streamctl.errors import StreamctlError
 from streamctl.checkpoint.safetensors import parse_safetensors_bytes
 from streamctl.checkpoint.sharded_names import DEFAULT_PATTERN, DEFAULT_PP_PATTERN, match_sharded
+from streamctl.errors import StreamctlError
 from streamctl.storage import open_location
 from streamctl.storage.base import Location
+from streamctl.verify import report as verify_report
 from streamctl.verify.report import VerifyOptions, VerifyReport
 from streamctl.verify.run import verify_checkpoint
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from verify_helpers import SHARD_1, SHARD_2, edit_index, error_codes, findings_of, run, warning_codes
+
 from checkpoints import (
     INDEX_NAME,
     TensorSpec,
@@ -19,8 +21,6 @@ from streamctl.errors import UsageError
 from streamctl.storage.base import Location
 from streamctl.verify import indexed as verify_indexed
 from streamctl.verify.report import Expectation, parse_expectation
-from verify_helpers import SHARD_1, SHARD_2, edit_index, error_codes, findings_of, run, warning_codes
-
 
 # ---------------------------------------------------------------------------------------------------
 # Index rules

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-
 import pytest
+from verify_helpers import error_codes, findings_of, run, warning_codes
+
 from checkpoints import (
     INDEX_NAME,
     TensorSpec,
@@ -26,8 +27,6 @@ from streamctl.checkpoint.sharded_names import (
 )
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location
-from verify_helpers import error_codes, findings_of, run, warning_codes
-
 
 # ---------------------------------------------------------------------------------------------------
 # Sharded state

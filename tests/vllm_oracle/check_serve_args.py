@@ -85,7 +85,9 @@ def check_argv(argv: list[str]) -> dict[str, Any]:
 
 
 def _validate_jobs(jobs: object) -> None:
-    if not isinstance(jobs, list) or not all(isinstance(job, list) and all(isinstance(a, str) for a in job) for job in jobs):
+    if not isinstance(jobs, list) or not all(
+        isinstance(job, list) and all(isinstance(a, str) for a in job) for job in jobs
+    ):
         raise ValueError("--jobs must hold a JSON list of lists of strings")
 
 

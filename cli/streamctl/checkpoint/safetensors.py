@@ -405,11 +405,19 @@ def _check_sizes(tensors: Sequence[TensorInfo]) -> Iterator[HeaderProblem]:
         nbits = tensor_nbits(tensor.dtype, tensor.shape)
         if nbits is None:
             yield (
-                _error("size-overflow", f"shape {_shape_text(tensor.shape)} overflows 64-bit arithmetic", printable(tensor.name))
+                _error(
+                    "size-overflow",
+                    f"shape {_shape_text(tensor.shape)} overflows 64-bit arithmetic",
+                    printable(tensor.name),
+                )
             )
         elif nbits % 8:
             yield (
-                _error("size-not-whole-bytes", f"{nbits} bits of {tensor.dtype} is not a whole number of bytes", printable(tensor.name))
+                _error(
+                    "size-not-whole-bytes",
+                    f"{nbits} bits of {tensor.dtype} is not a whole number of bytes",
+                    printable(tensor.name),
+                )
             )
         elif nbits // 8 != tensor.nbytes:
             yield (
@@ -430,7 +438,9 @@ def _check_contiguity(spans: Sequence[TensorInfo | _Span]) -> Iterator[HeaderPro
     )  # as writers lay them out; sorting would allocate a key per tensor
     for span in spans if in_order else sorted(spans, key=lambda item: (item.begin, item.end)):
         if span.end < span.begin:
-            yield (_error("offsets-reversed", f"data_offsets end {span.end} < begin {span.begin}", printable(span.name)))
+            yield (
+                _error("offsets-reversed", f"data_offsets end {span.end} < begin {span.begin}", printable(span.name))
+            )
             continue
         if span.begin > expected_begin:
             yield (
@@ -517,7 +527,11 @@ class _ProblemLog:
             self.add(problem)
 
     def dropped(self) -> dict[str, int]:
-        return {code: count - PROBLEMS_KEPT_PER_CODE for code, count in self.counts.items() if count > PROBLEMS_KEPT_PER_CODE}
+        return {
+            code: count - PROBLEMS_KEPT_PER_CODE
+            for code, count in self.counts.items()
+            if count > PROBLEMS_KEPT_PER_CODE
+        }
 
 
 class _Scanner:
@@ -550,7 +564,9 @@ class _Scanner:
     def expect(self, position: int, byte: bytes) -> int:
         if self.data[position : position + 1] != byte:
             found = self.data[position : position + 1]
-            raise _invalid_json(f"expected {byte.decode()!r}, found {found.decode('latin-1') if found else 'the end'!r}", position)
+            raise _invalid_json(
+                f"expected {byte.decode()!r}, found {found.decode('latin-1') if found else 'the end'!r}", position
+            )
         return position + 1
 
     def string(self, position: int) -> tuple[str, int]:
@@ -637,7 +653,9 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
     if header_json[start : start + 1] != b"{":
         return ParsedHeader(header_length, (), None, (*log.kept, _not_an_object(header_json)))
     if start:
-        log.add(_warning("header-leading-whitespace", "header starts with whitespace; the format says it starts with '{'"))
+        log.add(
+            _warning("header-leading-whitespace", "header starts with whitespace; the format says it starts with '{'")
+        )
     root = _Root(log)
     try:
         _scan_root(scanner, start, root)
@@ -658,7 +676,9 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
         data_end = max(max((tensor.end for tensor in tensors), default=0), max((span.end for span in spans), default=0))
         expected = HEADER_LENGTH_BYTES + header_length + data_end
         if expected > object_size:
-            log.add(_error("file-truncated", f"header and offsets need {expected:,} bytes; the object has {object_size:,}"))
+            log.add(
+                _error("file-truncated", f"header and offsets need {expected:,} bytes; the object has {object_size:,}")
+            )
         elif expected < object_size:
             log.add(
                 _error(

@@ -66,7 +66,7 @@ def streamer_problem(tensor: TensorInfo) -> StreamerProblem | None:
     if element_bytes is None:
         return StreamerProblem(
             UNSUPPORTED_DTYPE,
-            f"dtype {tensor.dtype}: the Run:ai streamer 0.17 cannot read it (\"Unsupported dtype\"); "
+            f'dtype {tensor.dtype}: the Run:ai streamer 0.17 cannot read it ("Unsupported dtype"); '
             "vLLM's default loader can",
         )
     expected = _elements(tensor.shape) * element_bytes

@@ -75,7 +75,11 @@ def _from_environment(ctx: Any) -> dict[str, str]:
     """Flags whose value this run took from the environment: flag -> the variable."""
     found = {}
     for param in ctx.command.params:
-        if param.name and param.param_type_name == "option" and ctx.get_parameter_source(param.name) == ParameterSource.ENVIRONMENT:
+        if (
+            param.name
+            and param.param_type_name == "option"
+            and ctx.get_parameter_source(param.name) == ParameterSource.ENVIRONMENT
+        ):
             for flag in [*param.opts, *param.secondary_opts]:
                 found[flag] = _source_variable(param)
     return found

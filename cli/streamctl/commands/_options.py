@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -15,11 +15,9 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON
 # --debug and --quiet are accepted before the command (`streamctl --debug transfer ...`) and after it; both
 # places use these declarations.
 QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
-DebugOption = Annotated[
-    bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")
-]
+DebugOption = Annotated[bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")]
 EndpointOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--endpoint-url",
         metavar="URL",
@@ -29,7 +27,7 @@ EndpointOption = Annotated[
     ),
 ]
 PathStyleOption = Annotated[
-    Optional[bool],
+    bool | None,
     typer.Option(
         "--path-style/--virtual-host-style",
         help="S3 addressing; default from RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING (0 = path style).",
@@ -38,7 +36,7 @@ PathStyleOption = Annotated[
     ),
 ]
 AzureAccountOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--azure-account",
         metavar="NAME",
@@ -60,8 +58,10 @@ FollowSymlinksOption = Annotated[
 ]
 
 HfTokenOption = Annotated[
-    Optional[str],
-    typer.Option("--token", metavar="TOKEN", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."),
+    str | None,
+    typer.Option(
+        "--token", metavar="TOKEN", envvar="HF_TOKEN", show_envvar=True, help="Hugging Face token (never printed)."
+    ),
 ]
 
 
@@ -153,7 +153,10 @@ def check_mode_options(ctx: typer.Context, enabled: bool, mode_flag: str, panel:
     given = given_options(ctx)
     for param in ctx.command.params:
         if getattr(param, "rich_help_panel", None) == panel and param.name in given:
-            raise UsageError(f"{given[param.name]} applies only with {mode_flag}", hint=f"add {mode_flag}, or drop {given[param.name]}")
+            raise UsageError(
+                f"{given[param.name]} applies only with {mode_flag}",
+                hint=f"add {mode_flag}, or drop {given[param.name]}",
+            )
 
 
 def refuse_together(ctx: typer.Context, first: str, second: str, why: str) -> None:

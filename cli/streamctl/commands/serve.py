@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -31,62 +31,98 @@ def command(
     ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Bucket prefix (s3://, gs://, az://) or local folder.")],
     vllm_args: Annotated[
-        Optional[list[str]], typer.Argument(help="Arguments for vLLM, after --.", show_default=False)
+        list[str] | None, typer.Argument(help="Arguments for vLLM, after --.", show_default=False)
     ] = None,
     tensor_parallel_size: Annotated[
         int, typer.Option("--tensor-parallel-size", "-tp", min=1, help="GPUs per replica.")
     ] = 1,
     concurrency: Annotated[
-        Optional[int],
+        int | None,
         typer.Option("--concurrency", min=1, help="Streamer readers (default: 16 local, 8 object store)."),
     ] = None,
     memory_limit: Annotated[
-        Optional[str],
-        typer.Option("--memory-limit", metavar="SIZE", help="CPU staging: 5GiB, bytes, -1 unlimited, 0 largest tensor."),
+        str | None,
+        typer.Option(
+            "--memory-limit", metavar="SIZE", help="CPU staging: 5GiB, bytes, -1 unlimited, 0 largest tensor."
+        ),
     ] = None,
     distributed: Annotated[
-        Optional[bool],
-        typer.Option("--distributed/--no-distributed", help="Distributed streaming (default: on when TP > 1 with CUDA).", show_default=False),
+        bool | None,
+        typer.Option(
+            "--distributed/--no-distributed",
+            help="Distributed streaming (default: on when TP > 1 with CUDA).",
+            show_default=False,
+        ),
     ] = None,
     sharded: Annotated[
-        Optional[bool],
-        typer.Option("--sharded/--not-sharded", help="Pre-sharded model-rank-* files (default: detected).", show_default=False),
+        bool | None,
+        typer.Option(
+            "--sharded/--not-sharded", help="Pre-sharded model-rank-* files (default: detected).", show_default=False
+        ),
     ] = None,
-    pattern: Annotated[Optional[str], typer.Option("--pattern", help="Sharded file name pattern.")] = None,
-    tune: Annotated[bool, typer.Option("--tune", help="Measure streamer concurrency on this checkpoint; use the best.")] = False,
+    pattern: Annotated[str | None, typer.Option("--pattern", help="Sharded file name pattern.")] = None,
+    tune: Annotated[
+        bool, typer.Option("--tune", help="Measure streamer concurrency on this checkpoint; use the best.")
+    ] = False,
     preflight: Annotated[
         bool, typer.Option("--preflight/--no-preflight", help="Check credentials, headers and vllm first.")
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
     namespace: Annotated[
-        str, typer.Option("--namespace", metavar="NAME", help="Namespace of the Deployment and Service.", rich_help_panel="Kubernetes")
+        str,
+        typer.Option(
+            "--namespace", metavar="NAME", help="Namespace of the Deployment and Service.", rich_help_panel="Kubernetes"
+        ),
     ] = "default",
-    name: Annotated[Optional[str], typer.Option("--name", metavar="NAME", help="Deployment name.", rich_help_panel="Kubernetes")] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", metavar="NAME", help="Deployment name.", rich_help_panel="Kubernetes")
+    ] = None,
     image: Annotated[
-        Optional[str], typer.Option("--image", help="vLLM image (default: vllm/vllm-openai:v0.33.0).", rich_help_panel="Kubernetes")
+        str | None,
+        typer.Option("--image", help="vLLM image (default: vllm/vllm-openai:v0.33.0).", rich_help_panel="Kubernetes"),
     ] = None,
     service_account: Annotated[
-        Optional[str],
-        typer.Option("--service-account", metavar="NAME", help="Workload-identity service account.", rich_help_panel="Kubernetes"),
+        str | None,
+        typer.Option(
+            "--service-account", metavar="NAME", help="Workload-identity service account.", rich_help_panel="Kubernetes"
+        ),
     ] = None,
     accelerator: Annotated[
-        Optional[str], typer.Option("--accelerator", metavar="TYPE", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes")
+        str | None,
+        typer.Option(
+            "--accelerator", metavar="TYPE", help="GKE accelerator, e.g. nvidia-l4.", rich_help_panel="Kubernetes"
+        ),
     ] = None,
     secret: Annotated[
-        Optional[str], typer.Option("--secret", metavar="NAME", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes")
+        str | None,
+        typer.Option(
+            "--secret", metavar="NAME", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes"
+        ),
     ] = None,
     cpu_weight_files: Annotated[
-        Optional[str],
-        typer.Option("--cpu-weight-files", metavar="F1,F2", help="EXPERIMENTAL: shards read on CPU.", rich_help_panel=EXPERIMENTAL),
+        str | None,
+        typer.Option(
+            "--cpu-weight-files",
+            metavar="F1,F2",
+            help="EXPERIMENTAL: shards read on CPU.",
+            rich_help_panel=EXPERIMENTAL,
+        ),
     ] = None,
     cpu_memory_limit: Annotated[
-        Optional[str],
-        typer.Option("--cpu-memory-limit", metavar="SIZE", help="EXPERIMENTAL: CPU phase budget.", rich_help_panel=EXPERIMENTAL),
+        str | None,
+        typer.Option(
+            "--cpu-memory-limit", metavar="SIZE", help="EXPERIMENTAL: CPU phase budget.", rich_help_panel=EXPERIMENTAL
+        ),
     ] = None,
     engram: Annotated[
-        Optional[list[str]],
-        typer.Option("--engram", metavar="GLOB", help="EXPERIMENTAL: Engram tensors that must be in those files.", rich_help_panel=EXPERIMENTAL),
+        list[str] | None,
+        typer.Option(
+            "--engram",
+            metavar="GLOB",
+            help="EXPERIMENTAL: Engram tensors that must be in those files.",
+            rich_help_panel=EXPERIMENTAL,
+        ),
     ] = None,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
@@ -157,7 +193,16 @@ def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run:
 
 # The last section of `streamctl serve --help` (each command line fits 80 columns).
 EXAMPLES = (
-    ("Print the checked vLLM command line; run nothing:", "streamctl serve gs://models/qwen3-8b --dry-run -- --max-model-len 4096"),
-    ("Launch a model sharded for 8 GPUs, concurrency measured first:", "streamctl serve s3://models/llama-70b-tp8 -tp 8 --tune"),
-    ("Write a GKE Deployment and Service for it:", "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml"),
+    (
+        "Print the checked vLLM command line; run nothing:",
+        "streamctl serve gs://models/qwen3-8b --dry-run -- --max-model-len 4096",
+    ),
+    (
+        "Launch a model sharded for 8 GPUs, concurrency measured first:",
+        "streamctl serve s3://models/llama-70b-tp8 -tp 8 --tune",
+    ),
+    (
+        "Write a GKE Deployment and Service for it:",
+        "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml",
+    ),
 )

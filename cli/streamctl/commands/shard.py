@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from enum import Enum
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -13,9 +13,9 @@ from streamctl import output
 from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
+    EndpointOption,
     FollowSymlinksOption,
     HfTokenOption,
-    EndpointOption,
     JsonOption,
     PathStyleOption,
     QuietOption,
@@ -54,7 +54,7 @@ def command(
         int, typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Pipeline stages (vLLM's layer split).")
     ] = 1,
     pattern: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--pattern",
             help="File name pattern with {rank} or {tp_rank}, {pp_rank}, {part} "
@@ -70,7 +70,7 @@ def command(
         DtypeOption, typer.Option("--dtype", help="Cast the weights; auto keeps the checkpoint's dtype.")
     ] = DtypeOption.auto,
     vllm_version: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(
             "--vllm-version",
             metavar="V",
@@ -84,7 +84,9 @@ def command(
     ] = EngineOption.offline,
     force: Annotated[
         bool,
-        typer.Option("--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."),
+        typer.Option(
+            "--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."
+        ),
     ] = False,
     follow_symlinks: FollowSymlinksOption = False,
     token: HfTokenOption = None,
@@ -127,7 +129,9 @@ def command(
     source_url = resolve_source_url(source)
     check_option_scope(ctx, [source_url, dest])
     keep_freed_buffers_in_the_heap()
-    storage = storage_options(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token)
+    storage = storage_options(
+        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token
+    )
     source_location = open_location(source_url, replace(storage, follow_symlinks=follow_symlinks))
     dest_location = open_destination(dest, storage)
     with output.progress(byte_counts=True) as progress:
@@ -137,6 +141,12 @@ def command(
 
 # The last section of `streamctl shard --help` (each command line fits 80 columns).
 EXAMPLES = (
-    ("Shard a bucket copy for 8 GPUs into another bucket:", "streamctl shard gs://models/llama-70b s3://models/llama-70b-tp8 -tp 8"),
-    ("Shard a Hub repo for TP 2 x PP 2, cast to bfloat16:", "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16"),
+    (
+        "Shard a bucket copy for 8 GPUs into another bucket:",
+        "streamctl shard gs://models/llama-70b s3://models/llama-70b-tp8 -tp 8",
+    ),
+    (
+        "Shard a Hub repo for TP 2 x PP 2, cast to bfloat16:",
+        "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16",
+    ),
 )

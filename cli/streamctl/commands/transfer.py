@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -11,9 +11,9 @@ from streamctl import output
 from streamctl.commands._options import (
     AzureAccountOption,
     DebugOption,
+    EndpointOption,
     FollowSymlinksOption,
     HfTokenOption,
-    EndpointOption,
     JsonOption,
     PathStyleOption,
     QuietOption,
@@ -38,16 +38,16 @@ def command(
     source: Annotated[str, typer.Argument(help="hf://ORG/NAME, ORG/NAME, a local folder, or a bucket prefix.")],
     dest: Annotated[str, typer.Argument(help="gs://, s3://, az:// prefix or a local folder.")],
     revision: Annotated[
-        Optional[str], typer.Option("--revision", metavar="REV", help="Branch, tag or commit (resolved to one commit).")
+        str | None, typer.Option("--revision", metavar="REV", help="Branch, tag or commit (resolved to one commit).")
     ] = None,
     repo_type: Annotated[
-        Optional[RepoType], typer.Option("--repo-type", help="Hugging Face repo type (default: model).")
+        RepoType | None, typer.Option("--repo-type", help="Hugging Face repo type (default: model).")
     ] = None,
     include: Annotated[
-        Optional[list[str]], typer.Option("--include", metavar="GLOB", help="Also copy matching files (repeatable).")
+        list[str] | None, typer.Option("--include", metavar="GLOB", help="Also copy matching files (repeatable).")
     ] = None,
     exclude: Annotated[
-        Optional[list[str]], typer.Option("--exclude", metavar="GLOB", help="Leave out matching files (repeatable).")
+        list[str] | None, typer.Option("--exclude", metavar="GLOB", help="Leave out matching files (repeatable).")
     ] = None,
     all_files: Annotated[bool, typer.Option("--all-files", help="Copy every file, not just what vLLM needs.")] = False,
     follow_symlinks: FollowSymlinksOption = False,
@@ -60,25 +60,41 @@ def command(
     ] = "256MiB",
     token: HfTokenOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; touch nothing.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Copy every file again; replace what an earlier streamctl run wrote there.")] = False,
-    verify: Annotated[
-        bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")
-    ] = True,
+    force: Annotated[
+        bool, typer.Option("--force", help="Copy every file again; replace what an earlier streamctl run wrote there.")
+    ] = False,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")] = True,
     k8s_job: Annotated[
         bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
     ] = False,
-    namespace: Annotated[str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")] = "default",
+    namespace: Annotated[
+        str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")
+    ] = "default",
     service_account: Annotated[
-        Optional[str],
-        typer.Option("--service-account", metavar="NAME", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"),
+        str | None,
+        typer.Option(
+            "--service-account",
+            metavar="NAME",
+            help="Pod service account (workload identity).",
+            rich_help_panel="Kubernetes",
+        ),
     ] = None,
     secret: Annotated[
-        Optional[str],
-        typer.Option("--secret", metavar="NAME", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"),
+        str | None,
+        typer.Option(
+            "--secret",
+            metavar="NAME",
+            help="Secret whose keys become env vars (HF_TOKEN, ...).",
+            rich_help_panel="Kubernetes",
+        ),
     ] = None,
     image: Annotated[
-        Optional[str],
-        typer.Option("--image", help="Image with streamctl installed (default: pip install at start).", rich_help_panel="Kubernetes"),
+        str | None,
+        typer.Option(
+            "--image",
+            help="Image with streamctl installed (default: pip install at start).",
+            rich_help_panel="Kubernetes",
+        ),
     ] = None,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
@@ -122,8 +138,9 @@ def command(
         revision=revision, repo_type=repo_type.value if repo_type else None, follow_symlinks=follow_symlinks,
     )  # fmt: skip
     with output.progress(byte_counts=True) as progress:
+        plan_shown = output.log_transfer_plan
         result = run_transfer(
-            source_url, dest, options, storage, progress, dry_run=dry_run, verify=verify, on_plan=output.log_transfer_plan
+            source_url, dest, options, storage, progress, dry_run=dry_run, verify=verify, on_plan=plan_shown
         )
     output.emit(result)
 
@@ -159,7 +176,16 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
 
 # The last section of `streamctl transfer --help` (each command line fits 80 columns).
 EXAMPLES = (
-    ("Copy what vLLM needs from a Hub repo into a GCS bucket:", "streamctl transfer Qwen/Qwen3-8B gs://models/qwen3-8b"),
-    ("Show the plan for one revision; copy nothing:", "streamctl transfer Qwen/Qwen3-8B s3://models/q3 --revision v1 --dry-run"),
-    ("Run the copy inside the cluster as a Kubernetes Job:", "streamctl transfer Qwen/Qwen3-8B gs://m/q3 --k8s-job | kubectl apply -f -"),
+    (
+        "Copy what vLLM needs from a Hub repo into a GCS bucket:",
+        "streamctl transfer Qwen/Qwen3-8B gs://models/qwen3-8b",
+    ),
+    (
+        "Show the plan for one revision; copy nothing:",
+        "streamctl transfer Qwen/Qwen3-8B s3://models/q3 --revision v1 --dry-run",
+    ),
+    (
+        "Run the copy inside the cluster as a Kubernetes Job:",
+        "streamctl transfer Qwen/Qwen3-8B gs://m/q3 --k8s-job | kubectl apply -f -",
+    ),
 )

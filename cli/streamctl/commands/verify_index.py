@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -28,11 +28,13 @@ def command(
         typer.Argument(help="Local folder, s3://, gs://, az:// or https://ACCOUNT.blob.core.windows.net/ prefix."),
     ],
     index: Annotated[
-        Optional[str],
-        typer.Option("--index", metavar="NAME", help="Index file name (default: model.safetensors.index.json if present)."),
+        str | None,
+        typer.Option(
+            "--index", metavar="NAME", help="Index file name (default: model.safetensors.index.json if present)."
+        ),
     ] = None,
     expect: Annotated[
-        Optional[list[str]],
+        list[str] | None,
         typer.Option(
             "--expect",
             metavar="GLOB=FILE[,FILE...]",
@@ -40,7 +42,7 @@ def command(
         ),
     ] = None,
     sharded: Annotated[
-        Optional[bool],
+        bool | None,
         typer.Option(
             "--sharded/--not-sharded",
             help="Treat as vLLM sharded state (model-rank-*); default: detect from file names.",
@@ -48,19 +50,21 @@ def command(
         ),
     ] = None,
     tensor_parallel_size: Annotated[
-        Optional[int],
+        int | None,
         typer.Option("--tensor-parallel-size", "-tp", min=1, help="Expected TP ranks (sharded; default: inferred)."),
     ] = None,
     pipeline_parallel_size: Annotated[
-        Optional[int],
+        int | None,
         typer.Option("--pipeline-parallel-size", "-pp", min=1, help="Expected PP stages (sharded; default: inferred)."),
     ] = None,
     pattern: Annotated[
-        Optional[str],
+        str | None,
         typer.Option("--pattern", help="Sharded file name pattern with {rank} or {tp_rank}, {pp_rank}, {part}."),
     ] = None,
     strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on warnings too.")] = False,
-    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel header reads.")] = 16,
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-j", min=1, max=256, help="Parallel header reads.")
+    ] = 16,
     follow_symlinks: FollowSymlinksOption = False,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
@@ -106,6 +110,9 @@ def command(
 # The last section of `streamctl verify-index --help` (each command line fits 80 columns).
 EXAMPLES = (
     ("Check a checkpoint in a bucket, reading headers only:", "streamctl verify-index gs://models/qwen3-8b"),
-    ("Require every Engram tensor to live in one file; print JSON:", "streamctl verify-index s3://m/ds --expect '*engram*=e.safetensors' --json"),
+    (
+        "Require every Engram tensor to live in one file; print JSON:",
+        "streamctl verify-index s3://m/ds --expect '*engram*=e.safetensors' --json",
+    ),
     ("Check a sharded-state folder written for 4 GPUs:", "streamctl verify-index ./llama-tp4 --sharded -tp 4"),
 )

@@ -17,12 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from streamctl.errors import UsageError
-from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
+from streamctl.redact import MASK, mask_credentials, printable
+from streamctl.serve.vllm_args import masked_arguments, takes
 from streamctl.sizes import parse_size
 from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
-from streamctl.serve.vllm_args import masked_arguments, takes
 
 LOAD_FORMAT = "runai_streamer"
 LOAD_FORMAT_SHARDED = "runai_streamer_sharded"
@@ -135,8 +135,10 @@ class ServeOptions:
             named = next((arg for arg in self.vllm_args if takes(arg, flag)), None)
             if named is not None:
                 shown = named.split("=", 1)[0]
-                raise UsageError(f"pass {flag} to streamctl, not after -- (vLLM reads {shown} as {flag})",
-                                 hint="streamctl sets and checks it")
+                raise UsageError(
+                    f"pass {flag} to streamctl, not after -- (vLLM reads {shown} as {flag})",
+                    hint="streamctl sets and checks it",
+                )
         if self.pattern is not None and self.sharded is False:
             raise UsageError("--pattern names sharded files; it cannot go with --not-sharded")
         self.engram.validate()
@@ -208,7 +210,10 @@ def _storage_env(
         if endpoint:  # S3-compatible store; on AWS itself none of these apply (metadata-off breaks IRSA)
             wanted["AWS_ENDPOINT_URL"] = (endpoint, storage.endpoint_url is not None)
             path_style = storage.path_style if storage.path_style is not None else True
-            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if path_style else "1", storage.path_style is not None)
+            wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = (
+                "0" if path_style else "1",
+                storage.path_style is not None,
+            )
             wanted["AWS_EC2_METADATA_DISABLED"] = ("true", False)
         elif storage.path_style is not None:
             wanted["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = ("0" if storage.path_style else "1", True)
@@ -231,7 +236,10 @@ def _storage_env(
                 f"no Azure storage account for {options.model}",
                 hint="pass --azure-account, set AZURE_STORAGE_ACCOUNT_NAME, or use https://ACCOUNT.blob.core.windows.net/...",
             )
-        wanted["AZURE_STORAGE_ACCOUNT_NAME"] = (account, parsed.account is not None or storage.azure_account is not None)
+        wanted["AZURE_STORAGE_ACCOUNT_NAME"] = (
+            account,
+            parsed.account is not None or storage.azure_account is not None,
+        )
     env: dict[str, str] = {}
     for name, (value, explicit) in wanted.items():
         current = environ.get(name)
@@ -324,8 +332,10 @@ def _check_memory_limit(
         return
     # Without distributed streaming every TP worker stages its own copy (run-ai#76: OOM-killed pods).
     tp = options.tensor_parallel_size
-    staged = staging_bytes(facts, memory_limit) if facts is not None else (
-        memory_limit if memory_limit is not None and memory_limit > 0 else None
+    staged = (
+        staging_bytes(facts, memory_limit)
+        if facts is not None
+        else (memory_limit if memory_limit is not None and memory_limit > 0 else None)
     )
     if staged is not None and tp * staged > host_memory_bytes:
         warnings.append(

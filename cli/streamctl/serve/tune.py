@@ -49,7 +49,12 @@ class TuneResult:
         return {
             "files": list(self.files),
             "samples": [
-                {"concurrency": s.concurrency, "bytes": s.bytes, "seconds": round(s.seconds, 4), "gb_per_s": round(s.gb_per_s, 3)}
+                {
+                    "concurrency": s.concurrency,
+                    "bytes": s.bytes,
+                    "seconds": round(s.seconds, 4),
+                    "gb_per_s": round(s.gb_per_s, 3),
+                }
                 for s in self.samples
             ],
             "best_concurrency": self.best.concurrency,
@@ -82,7 +87,12 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
             input=json.dumps({"paths": list(paths)}),
             capture_output=True,
             text=True,
-            env={**os.environ, **env, "RUNAI_STREAMER_CONCURRENCY": str(concurrency), "RUNAI_STREAMER_LOG_FILE": log.name},
+            env={
+                **os.environ,
+                **env,
+                "RUNAI_STREAMER_CONCURRENCY": str(concurrency),
+                "RUNAI_STREAMER_LOG_FILE": log.name,
+            },
         )
         if completed.returncode == STREAMER_MISSING_EXIT:
             raise MissingProgramError("--tune needs runai-model-streamer, which is not installed", hint=_STREAMER_HINT)
@@ -100,9 +110,7 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
 def top_level_shards(location: Location) -> list[ObjectInfo]:
     """The .safetensors files directly under `location` (what vLLM's loader reads); UsageError if none."""
     shards = [
-        info
-        for info in location.list()
-        if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)
+        info for info in location.list() if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)
     ]
     if not shards:
         raise UsageError(f"--tune found no .safetensors under {location.url}")

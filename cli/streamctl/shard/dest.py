@@ -37,9 +37,7 @@ def _read_dest(dest: Location) -> _DestState:
     return _DestState(existing, read_manifests(dest, {name: info.size for name, info in existing.items()}))
 
 
-def check_dest(
-    dest: Location, pattern: str, writes: set[str], force: bool, state: _DestState | None = None
-) -> Cleanup:
+def check_dest(dest: Location, pattern: str, writes: set[str], force: bool, state: _DestState | None = None) -> Cleanup:
     """UsageError when DEST holds files and --force is not given; with it, what --force removes there (files
     a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
     state = state or _read_dest(dest)

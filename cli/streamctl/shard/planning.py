@@ -194,7 +194,9 @@ def list_source(source: Location) -> SourceListing:
     infos = {name: info for name, info in infos.items() if name}
     if not infos:
         raise NotFoundError(f"nothing found under {source.url}")
-    return SourceListing({name: info.size for name, info in infos.items()}, {name: info.etag for name, info in infos.items()})
+    return SourceListing(
+        {name: info.size for name, info in infos.items()}, {name: info.etag for name, info in infos.items()}
+    )
 
 
 def _weight_files(source: Location, listing: SourceListing) -> list[str]:
@@ -208,7 +210,10 @@ def _weight_files(source: Location, listing: SourceListing) -> list[str]:
     files = sorted(name for name in top if name.endswith(".safetensors") and not name.startswith("consolidated"))
     if files:
         return files
-    if any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top) or MISTRAL_PARAMS_NAME in top:
+    if (
+        any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top)
+        or MISTRAL_PARAMS_NAME in top
+    ):
         raise UsageError(
             f"{source.url} holds Mistral-format consolidated weights, not Hugging Face safetensors", hint=_engine_hint()
         )

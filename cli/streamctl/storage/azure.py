@@ -56,9 +56,7 @@ HINTS = ServiceHints(
 )
 
 T = TypeVar("T")
-_BAD_CREDENTIAL_CODES = frozenset(
-    {"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"}
-)
+_BAD_CREDENTIAL_CODES = frozenset({"AuthenticationFailed", "InvalidAuthenticationInfo", "NoAuthenticationInformation"})
 # Azure metadata names become HTTP headers and must be C# identifiers: no '-', no '.'.
 _METADATA_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -541,9 +539,7 @@ class AzureStore(_errors.CloudRequests):
 
             return self._call(key, read)
 
-    def replace_if_version(
-        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
-    ) -> str:
+    def replace_if_version(self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None) -> str:
         metadata = _check_metadata(metadata or {}, self.url(key))
         with self._conditional(key, Op.WRITE):
             blob = self._blob(key)

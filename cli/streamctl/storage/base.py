@@ -246,9 +246,7 @@ class Store(Protocol):
         """The whole (small) object and the version those bytes are; NotFoundError when it is missing."""
         ...
 
-    def replace_if_version(
-        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
-    ) -> str:
+    def replace_if_version(self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None) -> str:
         """Overwrite the object only while it is still `version`; return the new version.
 
         PreconditionFailed when it changed or is gone (S3 `If-Match`, GCS `ifGenerationMatch`, Azure `If-Match`,

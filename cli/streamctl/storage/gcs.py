@@ -459,9 +459,7 @@ class GCSStore(_errors.CloudRequests):
                 raise PreconditionFailed(f"{self.url(key)}: {one_line(cause)}") from None
             raise
 
-    def _conditional_upload(
-        self, key: str, data: bytes, metadata: Mapping[str, str] | None, generation: int
-    ) -> str:
+    def _conditional_upload(self, key: str, data: bytes, metadata: Mapping[str, str] | None, generation: int) -> str:
         with self._conditional(key, Op.WRITE):
             blob = self._bucket.blob(key)
             if metadata:
@@ -496,9 +494,7 @@ class GCSStore(_errors.CloudRequests):
                 return None
             return data, str(generation)
 
-    def replace_if_version(
-        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
-    ) -> str:
+    def replace_if_version(self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None) -> str:
         return self._conditional_upload(key, data, metadata, int(version))
 
     def delete_if_version(self, key: str, version: str) -> None:

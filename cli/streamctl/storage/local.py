@@ -38,9 +38,9 @@ from streamctl.errors import (
 )
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
-    PositionalWrite,
     ListingNote,
     ObjectInfo,
+    PositionalWrite,
     StorageOptions,
     TemporaryName,
     UnfinishedUpload,
@@ -489,7 +489,9 @@ class LocalStore:
             return []
         scan = self._scan(prefix)
         temporary = [
-            ListingNote(listed.key, "temporary", "a streamctl temporary file (a run is writing here, or one was killed)")
+            ListingNote(
+                listed.key, "temporary", "a streamctl temporary file (a run is writing here, or one was killed)"
+            )
             for _, listed in scan.temporary
             if listed.key.startswith(prefix)
         ]
@@ -644,7 +646,15 @@ class LocalStore:
             os.close(parent_fd)
             raise
         return LocalMultipartUpload(
-            key, part_size, final, dict(metadata or {}), token, parent_fd, token_fd, fd, content_type or content_type_for(key)
+            key,
+            part_size,
+            final,
+            dict(metadata or {}),
+            token,
+            parent_fd,
+            token_fd,
+            fd,
+            content_type or content_type_for(key),
         )
 
     def delete(self, key: str) -> None:
@@ -712,9 +722,7 @@ class LocalStore:
         if current != version:
             raise PreconditionFailed(f"{self._path(key)} was changed by another writer")
 
-    def replace_if_version(
-        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
-    ) -> str:
+    def replace_if_version(self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None) -> str:
         final = self._path(key)
         temporary = self._lease_temporary(key)
         try:
@@ -738,7 +746,6 @@ class LocalStore:
             raise PreconditionFailed(f"{path} is gone") from None
         except OSError as error:
             raise _map_os_error(error, path) from None
-
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:
@@ -768,6 +775,4 @@ def _remove_lease_temporary(temporary: Path) -> None:
 
 
 def open_store(parsed: ParsedURL, options: StorageOptions) -> LocalStore:
-    return LocalStore(
-        Path(os.path.abspath(os.path.expanduser(parsed.bucket))), follow_symlinks=options.follow_symlinks
-    )
+    return LocalStore(Path(os.path.abspath(os.path.expanduser(parsed.bucket))), follow_symlinks=options.follow_symlinks)

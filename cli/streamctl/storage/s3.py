@@ -416,7 +416,9 @@ class S3Store(_errors.CloudRequests):
                     size,
                 )
             except BaseException:
-                self._call(key, lambda: self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id))
+                self._call(
+                    key, lambda: self._client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload_id)
+                )
                 raise
             return strip_etag(response.get("ETag"))
 
@@ -492,15 +494,14 @@ class S3Store(_errors.CloudRequests):
 
     def read_versioned(self, key: str) -> tuple[bytes, str]:
         with self._guard(Op.READ, key):
+
             def read() -> tuple[bytes, str]:
                 response = self._client.get_object(Bucket=self.bucket, Key=key)
                 return response["Body"].read(), str(response["ETag"])
 
             return self._call(key, read)
 
-    def replace_if_version(
-        self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None
-    ) -> str:
+    def replace_if_version(self, key: str, data: bytes, version: str, metadata: Mapping[str, str] | None = None) -> str:
         with self._conditional(key, Op.WRITE):
             response = self._call(key, lambda: self._client.put_object(
                 Bucket=self.bucket, Key=key, Body=data, Metadata=lower_keys(metadata),

@@ -70,4 +70,3 @@ def check_config(data: bytes, listing: Listing, findings: Findings) -> None:
                 printable(file),
                 f"auto_map in {CONFIG_NAME} names {printable(reference)!r}; --trust-remote-code needs this file",
             )
-

@@ -200,7 +200,6 @@ class VerifyReport:
         }
 
 
-
 @dataclass
 class Findings:
     """Collects findings; caps each (code, file) at FINDINGS_PER_CODE_AND_FILE and sums up the rest."""
@@ -245,4 +244,3 @@ class Findings:
         # Stable order: location-wide findings first, then by file, code and tensor.
         findings.sort(key=lambda item: (item.file or "", item.code, item.tensor or "", item.message))
         return tuple(findings)
-

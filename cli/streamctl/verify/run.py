@@ -231,4 +231,3 @@ def _check_streamer_readable(shard: ShardHeader, severity: Severity, findings: F
         problem = streamer_problem(tensor)
         if problem is not None:
             findings.add(severity, problem.code, shard.name, printable(tensor.name), problem.message)
-
