@@ -166,7 +166,7 @@ def start_threaded_gcs(workdir: Path, link: Any = None) -> servers.GCSServer:
             "--port",
             str(port),
             "--in-memory",
-        ],  # fmt: skip
+        ],
         "/",
         workdir,
         link=link,

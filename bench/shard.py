@@ -207,8 +207,10 @@ def main() -> int:
         for tp in args.tp:
             written = runs[tp][0].bytes_written
             # x cp = (bytes / seconds) / (cp bytes / cp seconds), per round; the median of the rounds.
-            ratios = [written / run.seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs)]
-            write_ratios = [written / run.write_seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs)]
+            ratios = [written / run.seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs, strict=False)]
+            write_ratios = [
+                written / run.write_seconds / (cp_bytes / cp) for run, cp in zip(runs[tp], cp_runs, strict=False)
+            ]
             seconds = median([run.seconds for run in runs[tp]])
             peak_rss = max(run.peak_rss for run in runs[tp])
             table.add(

@@ -240,7 +240,7 @@ def calibrate(destination: Destination, link: Any, hub: Any, hub_files: dict[str
     rates = [
         timed_uploads(
             direct, bucket, f"server, no link, 1 stream of {single // MiB} MiB", [part * (single // PART)], 1
-        ),  # fmt: skip
+        ),
         timed_uploads(direct, bucket, f"server, no link, {parts} x 16 MiB on 16 threads", [part] * parts, 16),
         timed_uploads(linked, bucket, "link, 1 connection, 2 x 16 MiB", [part] * 2, 1),
         timed_uploads(linked, bucket, f"link, 16 connections, {2 * parts} x 16 MiB", [part] * (2 * parts), 16),

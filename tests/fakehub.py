@@ -494,14 +494,14 @@ class FakeHub:
         else:
             try:
                 response = self._route_hub(handler, method, body) if role == "hub" else self._route_cdn(handler)
-            except Exception as error:  # a bug in the fake: answer 500 rather than hang the client
+            except Exception as error:  # noqa: BLE001 - a bug in the fake: answer 500 rather than hang the client
                 response = _error(500, None, f"fake hub error: {error!r}")
             response.truncate = fault is not None and fault.kind == "truncate"
         self._send(handler, method, response)
 
     @staticmethod
     def _send(handler: _Handler, method: str, response: Response) -> None:
-        headers = dict((key.lower(), (key, value)) for key, value in response.headers)
+        headers = {key.lower(): (key, value) for key, value in response.headers}
         handler.send_response(response.status)
         for key, value in headers.values():
             if key.lower() != "content-length":

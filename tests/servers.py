@@ -258,7 +258,7 @@ def start_gcs(workdir: Path) -> GCSServer:
             "--port",
             str(port),
             "--in-memory",
-        ],  # fmt: skip
+        ],
         "/",
         workdir,
     )
@@ -336,7 +336,7 @@ def start_azurite(workdir: Path) -> AzureServer:
             "--skipApiVersionCheck",
             "--disableTelemetry",
             "--inMemoryPersistence",
-        ],  # fmt: skip
+        ],
         f"/{AZURITE_ACCOUNT}?comp=list",
         workdir,
     )

@@ -132,7 +132,7 @@ def vllm_pp_layers(layers: int, pp: int) -> list[list[int]]:
         (layers, pp)
     ]
     starts = [sum(counts[:index]) for index in range(pp)]
-    return [list(range(start, start + count)) for start, count in zip(starts, counts)]
+    return [list(range(start, start + count)) for start, count in zip(starts, counts, strict=False)]
 
 
 def rows(array: np.ndarray, parts: int, index: int) -> np.ndarray:

@@ -391,7 +391,7 @@ def test_vllm_splits_parts_and_writes_an_empty_first_part(
     """vLLM's save_model starts a new part before a tensor that would overflow max_size, even when the
     current part is still empty: `shard` must not copy that (specs/sharded-state.md: never an empty part),
     yet vLLM loads such a folder, so the oracle only warns."""
-    out_dir, result = references["llama-gqa-tp2-small-parts"]
+    _out_dir, result = references["llama-gqa-tp2-small-parts"]
     for rank in result["ranks"]:
         parts = [result["tensors"][name] for name in rank["files"]]
         assert len(parts) > 2 and parts[0] == {}, rank["files"]
@@ -412,7 +412,7 @@ def test_engine_vllm_path_on_vllms_own_files(
 ) -> None:
     """DEST holds vLLM's bytes unchanged (only empty parts dropped and the rest renumbered from 0), both
     checks and the manifest agree, and vLLM 0.33 loads DEST with no warning."""
-    kind, tp, pp, pattern, max_size = ENGINE_CASES[name]
+    _kind, tp, pp, _pattern, max_size = ENGINE_CASES[name]
     reference, _ = references[name]
     dest, result, commands = engine_outputs[name]
     arguments = json.loads(commands[0][-1])

@@ -133,7 +133,7 @@ def main() -> None:
         exit_code = _failed(error)
     except (KeyboardInterrupt, typer.Abort):  # outside a command
         exit_code = EXIT_INTERRUPTED
-    except Exception as error:  # a bug: say so in one line, traceback only on request
+    except Exception as error:  # noqa: BLE001 - a bug: say so in one line, traceback only on request
         output.print_internal_error(error, EXIT_INTERNAL_ERROR)
         exit_code = EXIT_INTERNAL_ERROR
     if exit_code == EXIT_INTERRUPTED:

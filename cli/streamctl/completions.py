@@ -92,12 +92,12 @@ def bash_script(group: object) -> str:
     for command in commands:
         lines.append(f"        {command.name})")
         lines.append('            case "$prev" in')
-        for option in command.options:
-            if option.choices:
-                lines.append(
-                    f"                {'|'.join(option.names)}) "
-                    f'COMPREPLY=($(compgen -W "{" ".join(option.choices)}" -- "$cur")); return ;;'
-                )
+        lines.extend(
+            f"                {'|'.join(option.names)}) "
+            f'COMPREPLY=($(compgen -W "{" ".join(option.choices)}" -- "$cur")); return ;;'
+            for option in command.options
+            if option.choices
+        )
         value_names = [
             name for option in command.options if option.takes_value and not option.choices for name in option.names
         ]
@@ -175,8 +175,7 @@ def _fish_escape(text: str) -> str:
 
 def _fish_option(condition: str, option: OptionSpec) -> str:
     parts = [f"complete -c streamctl -n '{condition}'"]
-    for name in option.names:
-        parts.append(f"-l {name[2:]}" if name.startswith("--") else f"-o {name[1:]}")
+    parts.extend(f"-l {name[2:]}" if name.startswith("--") else f"-o {name[1:]}" for name in option.names)
     if option.choices:
         parts.append(f"-x -a '{' '.join(option.choices)}'")
     elif option.takes_value:

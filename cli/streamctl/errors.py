@@ -83,8 +83,8 @@ class VerificationFailed(StreamctlError):
 
 
 class PreflightFailed(VerificationFailed):
-    """`serve`'s pre-flight found errors, so vLLM was not launched. `report` is the VerifyReport (the command
-    shows its findings; `details` carry them into the JSON error document)."""
+    """`serve`'s pre-flight found errors, so vLLM was not launched. `report` is the VerifyReport: the
+    command shows its findings above the error line; `details` carry them into the JSON error document."""
 
     code = "preflight-failed"
 

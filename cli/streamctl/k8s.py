@@ -196,7 +196,7 @@ class ServeManifestOptions:
 
 def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
     """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
-    return int(math.ceil(total_bytes / worst_case_bytes_per_second)) + 600
+    return math.ceil(total_bytes / worst_case_bytes_per_second) + 600
 
 
 def pod_memory_request(facts: CheckpointFacts, plan: LaunchPlan, tensor_parallel_size: int) -> int:

@@ -44,7 +44,7 @@ def place_of(location: Location) -> Place:
     """What `location` really names, as far as it can be told without a request."""
     store = location.store
     if store.scheme == "file":
-        root = str(store.root)
+        root = store.url("")  # a local store's URL of its root is the folder's path
         path = os.path.join(root, *location.prefix.split("/")) if location.prefix else root
         return LocalPlace(os.path.realpath(path))
     if store.scheme in ("s3", "gs", "az"):
@@ -142,9 +142,12 @@ def check_disjoint(source: Location, dest: Location) -> None:
         return
     dest_place, source_place = place_of(dest), place_of(source)
     resolved = ""
-    if isinstance(dest_place, LocalPlace) and isinstance(source_place, LocalPlace):
-        if (dest_place.path, source_place.path) != (dest.url, source.url):
-            resolved = f" (resolved: {dest_place.path} and {source_place.path})"
+    if (
+        isinstance(dest_place, LocalPlace)
+        and isinstance(source_place, LocalPlace)
+        and (dest_place.path, source_place.path) != (dest.url, source.url)
+    ):
+        resolved = f" (resolved: {dest_place.path} and {source_place.path})"
     raise UsageError(
         f"DEST {dest.url} {_DESCRIBED[found]} SOURCE {source.url}{resolved}",
         hint="write to a folder or prefix that shares nothing with SOURCE",

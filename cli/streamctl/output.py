@@ -339,14 +339,14 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
         hidden_per_code: dict[tuple[str, str], int] = {}
         for finding in report.findings:
             group = (finding.severity, finding.code, finding.file)
-            code = (finding.severity, finding.code)
+            per_code = (finding.severity, finding.code)
             shown[group] = shown.get(group, 0) + 1
             if shown[group] > FINDINGS_SHOWN_PER_GROUP:
                 continue
-            if shown_per_code.get(code, 0) >= FINDINGS_SHOWN_PER_CODE:
-                hidden_per_code[code] = hidden_per_code.get(code, 0) + 1
+            if shown_per_code.get(per_code, 0) >= FINDINGS_SHOWN_PER_CODE:
+                hidden_per_code[per_code] = hidden_per_code.get(per_code, 0) + 1
                 continue
-            shown_per_code[code] = shown_per_code.get(code, 0) + 1
+            shown_per_code[per_code] = shown_per_code.get(per_code, 0) + 1
             style = "red" if finding.severity == "error" else "yellow"
             rows.append([_text(finding.severity, style), _text(finding.code), _text(finding.file or ""),
                          _text(finding.tensor or ""), _text(finding.message)])  # fmt: skip

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Literal
 
 from streamctl.checkpoint.files import (
@@ -211,7 +212,7 @@ def _read_chunks(location: Location, path: str, size: int, policy: RetryPolicy) 
     key = location.key(path)
     for start in range(0, size, HASH_CHUNK):
         length = min(HASH_CHUNK, size - start)
-        data = with_retries(lambda: location.store.read_range(key, start, length), policy)
+        data = with_retries(partial(location.store.read_range, key, start, length), policy)
         if len(data) != length:
             raise IntegrityError(f"{location.store.url(key)} is shorter than its listed size {size}")
         yield data
@@ -507,7 +508,7 @@ class _Engine:
             problem = _mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
-            self._retry(upload.complete, f"completion of {file.path}")  # type: ignore[union-attr]
+            self._retry(upload.complete, f"completion of {file.path}")  # type: ignore[attr-defined]
             return sha256
         except BaseException:
             chain.fail()

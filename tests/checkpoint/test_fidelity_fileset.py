@@ -171,7 +171,7 @@ def test_references_ignore_other_repos_unsafe_paths_and_pickles() -> None:
 
 
 def test_a_real_sentence_transformers_repo_transfers_whole(tmp_path: Path) -> None:
-    copied, excluded = transfer(minilm_folder(), tmp_path / "dest")
+    copied, _excluded = transfer(minilm_folder(), tmp_path / "dest")
     assert "1_Pooling/config.json" in copied and "modules.json" in copied
     assert {"sentence_bert_config.json", "config_sentence_transformers.json", "tokenizer.json", "vocab.txt"} <= set(
         copied

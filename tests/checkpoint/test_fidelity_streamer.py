@@ -121,11 +121,11 @@ def test_streamer_loads_empty_parts_in_every_memory_mode(tmp_path: Path) -> None
     verdicts = stream_runai_many(jobs)
     failed = [
         json.dumps({"job": str(job), "error": verdict["error"]})
-        for job, verdict in zip(jobs, verdicts)
+        for job, verdict in zip(jobs, verdicts, strict=False)
         if not verdict["ok"]
     ]
     assert not failed, "\n".join(failed)
-    full = [verdict for job, verdict in zip(jobs, verdicts) if len(job["paths"]) > 1]
+    full = [verdict for job, verdict in zip(jobs, verdicts, strict=False) if len(job["paths"]) > 1]
     assert all(sorted(name for name, _, _ in verdict["tensors"]) == ["v", "w"] for verdict in full)
     report = verify_checkpoint(location, VerifyOptions(for_streamer=True))
     assert report.ok and {f.file for f in report.findings if f.code == "empty-shard"} == {

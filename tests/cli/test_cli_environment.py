@@ -196,9 +196,8 @@ def test_option_variables_are_not_the_projects_other_variables() -> None:
                 path.is_file()
                 and path.suffix in ("", ".py", ".sh", ".toml")
                 and not path.is_relative_to(about_options[0])
-            ):
-                if path != about_options[1]:
-                    used |= {"".join(names) for names in re.findall(USE, path.read_text(errors="replace"))}
+            ) and path != about_options[1]:
+                used |= {"".join(names) for names in re.findall(USE, path.read_text(errors="replace"))}
     assert "STREAMCTL_AZURITE" in used and "STREAMCTL_LEASE_TTL" in used  # the scan itself works
     ours = {variable_name(option) for command in commands().values() for option in options(command)}
     assert ours & used == {"STREAMCTL_DEBUG"}

@@ -65,7 +65,7 @@ def test_every_alias_of_a_local_folder_is_the_same_location(tmp_path: Path) -> N
 
 
 def test_nesting_is_found_through_aliases_and_siblings_are_not(tmp_path: Path) -> None:
-    source, aliases = local_aliases(tmp_path)
+    source, _aliases = local_aliases(tmp_path)
     src = open_location(str(source))
     assert relation(open_location(str(tmp_path / "link" / "tp2")), src) == "inside"
     assert relation(open_location(f"file://{tmp_path}/parent-link/src/a/b"), src) == "inside"

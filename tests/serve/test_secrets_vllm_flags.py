@@ -178,7 +178,7 @@ def test_against_vllms_own_parser() -> None:
     assert derived == SECRET_OPTIONS
 
     secret_dests = {option["dest"] for option in options if set(option["option_strings"]) & set(SECRET_OPTIONS)}
-    for argv, parsed in zip(PROBES, document["parsed"]):
+    for argv, parsed in zip(PROBES, document["parsed"], strict=False):
         given = {  # `--hf-token` alone is True (use the cached login): no secret in the command line
             dest: value for dest, value in parsed["values"].items() if dest in secret_dests and value is not True
         }

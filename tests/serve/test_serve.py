@@ -397,7 +397,7 @@ def test_k8s_manifests_match_the_kubernetes_schema(demo_model: Path) -> None:
         def __init__(self, data: object) -> None:
             self.data = json.dumps(data)
 
-    for document, model in zip(documents, ("V1Deployment", "V1Service")):
+    for document, model in zip(documents, ("V1Deployment", "V1Service"), strict=False):
         parsed = api.deserialize(_Response(document), model)
         # Unknown or misplaced fields are dropped by the models: a round trip must give the document back.
         assert api.sanitize_for_serialization(parsed) == document
@@ -449,7 +449,7 @@ def test_every_generated_launch_passes_vllms_own_parser() -> None:
         ),
     ]
     verdicts = check_serve_args_many([list(launch.argv[2:]) for launch in launches])
-    for launch, verdict in zip(launches, verdicts):
+    for launch, verdict in zip(launches, verdicts, strict=False):
         assert verdict["ok"], (launch.argv, verdict)
         assert verdict["load_format"] == launch.load_format
         assert verdict["extra_config"] == dict(launch.extra_config)

@@ -272,7 +272,7 @@ def test_casts_round_to_nearest_even_and_keep_nan() -> None:
     extra = np.random.default_rng(1).standard_normal(10_000).astype(np.float32) * 1000
     for array in (values, extra):
         bf16 = cast_bits(array.view(np.uint32), "F32", "BF16")
-        for value, got in zip(array.tolist(), bf16.tolist()):
+        for value, got in zip(array.tolist(), bf16.tolist(), strict=False):
             expected = f32_to_bf16_reference(value)
             if expected is None:
                 assert (got & 0x7F80) == 0x7F80 and got & 0x7F, "NaN must stay NaN"

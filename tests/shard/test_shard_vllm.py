@@ -48,7 +48,7 @@ def test_vllm_loads_every_rank_bit_identical(tmp_path: Path) -> None:
             shard(hf_dir, out, tensor_parallel_size=tp, pipeline_parallel_size=pp, vllm_version="0.33.0")
             jobs.append({"hf_dir": hf_dir, "sharded_dir": out, "tp": tp, "pp": pp})
     verdicts = check_sharded_many(jobs)
-    failed = [(job["sharded_dir"], verdict) for job, verdict in zip(jobs, verdicts) if not verdict["ok"]]
+    failed = [(job["sharded_dir"], verdict) for job, verdict in zip(jobs, verdicts, strict=False) if not verdict["ok"]]
     assert not failed, json.dumps([(str(path), verdict) for path, verdict in failed], default=str)[:4000]
 
 
@@ -116,7 +116,9 @@ def test_vllm_loads_the_other_kinds(tmp_path: Path) -> None:
         shard(tmp_path / kind / "hf", out, tensor_parallel_size=tp, pipeline_parallel_size=pp)
         jobs.append({"hf_dir": tmp_path / kind / "hf", "sharded_dir": out, "tp": tp, "pp": pp})
     verdicts = check_sharded_many(jobs)
-    failed = [(str(job["sharded_dir"]), verdict) for job, verdict in zip(jobs, verdicts) if not verdict["ok"]]
+    failed = [
+        (str(job["sharded_dir"]), verdict) for job, verdict in zip(jobs, verdicts, strict=False) if not verdict["ok"]
+    ]
     assert not failed, json.dumps(failed, default=str)[:4000]
 
 

@@ -385,7 +385,7 @@ def test_interrupt_aborts_every_upload_and_leaves_no_file(
     if where == "s3":
         assert not writing(), "a multipart upload was left open"
     else:
-        assert not [path for path in (tmp_path / "tp2").rglob("*")], "a file was left behind"
+        assert not list((tmp_path / "tp2").rglob("*")), "a file was left behind"
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

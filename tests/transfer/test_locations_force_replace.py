@@ -129,7 +129,7 @@ def test_without_a_manifest_force_removes_nothing_it_did_not_write(
     write_checkpoint(tmp_path / "two", shards=3, seed=2)
     dest = f"{s3_root}/model"
     location = open_location(dest)
-    for name in sorted(old) + ["notes.txt"]:  # copied there by hand: no streamctl manifest names them
+    for name in [*sorted(old), "notes.txt"]:  # copied there by hand: no streamctl manifest names them
         data = (tmp_path / "one" / name).read_bytes() if name in old else b"mine"
         location.store.put(location.key(name), data)
     planned = run_cli("transfer", str(tmp_path / "two"), dest, "--force", "--dry-run", "--json", env=storage_env)
@@ -137,7 +137,7 @@ def test_without_a_manifest_force_removes_nothing_it_did_not_write(
     document = planned.json()
     assert document["to_remove"] == []
     left = {item["path"]: item["reason"] for item in document["left_alone"]}
-    assert left == dict.fromkeys(sorted(old) + ["notes.txt"], "not written by streamctl")
+    assert left == dict.fromkeys([*sorted(old), "notes.txt"], "not written by streamctl")
     text = run_cli("transfer", str(tmp_path / "two"), dest, "--force", "--dry-run", env=storage_env)
     assert text.exit_code == 0 and "leave alone" in text.stdout and "not written by streamctl" in text.stdout
     done = run_cli("transfer", str(tmp_path / "two"), dest, "--force", "--no-verify", "--json", env=storage_env)

@@ -99,7 +99,7 @@ def transfer(source_url: str, dest_url: str, options: TransferOptions = OPTIONS,
 
 
 def test_default_file_set_and_reasons() -> None:
-    paths = list(model_files(big_bytes=8)) + ["consolidated.safetensors", "modeling_x.py", "chat_template.jinja"]
+    paths = [*list(model_files(big_bytes=8)), "consolidated.safetensors", "modeling_x.py", "chat_template.jinja"]
     chosen = {
         s.path: s
         for s in select_files(
@@ -124,7 +124,7 @@ def test_include_exclude_and_all_files() -> None:
         s.path: s.selected for s in select_files(paths, has_auto_map=False, include=["*.bin"], exclude=["config.json"])
     }
     assert refined == {"config.json": False, "model.safetensors": True, "pytorch_model.bin": True, "README.md": False}
-    everything = select_files(paths + [MANIFEST_NAME], has_auto_map=False, all_files=True, exclude=["README.md"])
+    everything = select_files([*paths, MANIFEST_NAME], has_auto_map=False, all_files=True, exclude=["README.md"])
     assert [s.path for s in everything if s.selected] == ["config.json", "model.safetensors", "pytorch_model.bin"]
 
 

@@ -20,7 +20,7 @@ def pooling(folder: str) -> dict[str, Any]:
 
     try:
         config = get_pooling_config(folder, revision=None)
-    except Exception as error:  # the verdict: vLLM could not read the sentence-transformers config
+    except Exception as error:  # noqa: BLE001 - the verdict: vLLM could not read the sentence-transformers config
         return {"pooling": None, "error": f"{type(error).__name__}: {error}"[:1000]}
     if config is None:
         return {"pooling": None, "error": None}

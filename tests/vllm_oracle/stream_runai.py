@@ -28,7 +28,7 @@ def stream(paths: list[str], env: dict[str, str]) -> dict[str, Any]:
             streamer.stream_files(paths)
             tensors = [[name, str(tensor.dtype), list(tensor.shape)] for name, tensor in streamer.get_tensors()]
         return {"ok": True, "tensors": tensors, "error": None}
-    except Exception as error:  # the verdict: any refusal is the streamer's answer
+    except Exception as error:  # noqa: BLE001 - the verdict: any refusal is the streamer's answer
         return {"ok": False, "tensors": [], "error": f"{type(error).__name__}: {error}"[:1000]}
     finally:
         for name, value in saved.items():

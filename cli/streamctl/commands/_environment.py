@@ -21,7 +21,7 @@ try:  # Typer 0.2x vendors Click (see app.py)
     from typer._click.core import ParameterSource
 except ImportError:  # pragma: no cover - an older Typer on the real Click
     import click.exceptions as click_errors  # type: ignore[no-redef]
-    from click.core import ParameterSource  # type: ignore[no-redef,assignment]
+    from click.core import ParameterSource  # type: ignore[assignment]
 
 from streamctl.commands.help import HelpCommand, HelpGroup
 from streamctl.errors import UsageError

@@ -69,7 +69,7 @@ def _default_text(param: Any) -> str | None:
     if isinstance(default, bool):
         if not param.secondary_opts:  # a plain flag: off unless given
             return None
-        return (param.opts if default else param.secondary_opts)[0]
+        return str((param.opts if default else param.secondary_opts)[0])
     if isinstance(default, enum.Enum):
         return str(default.value)
     return str(default)
@@ -193,7 +193,7 @@ def render_help(command: Any, ctx: Any, width: int | None = None, examples: Sequ
         rows = ((name, (sub.help or "").split("\n\n")[0]) for name, sub in subcommands.items() if not sub.hidden)
         lines += _definition_list(rows, width)
     if examples:
-        lines += [""] + _examples(examples, width)
+        lines += ["", *_examples(examples, width)]
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from streamctl.commands._options import (
     check_mode_options,
     check_option_scope,
     refuse_together,
+    storage_options,
 )
 
 if TYPE_CHECKING:
@@ -140,7 +141,6 @@ def command(
     from streamctl.k8s import ServeManifestOptions
     from streamctl.serve.plan import EngramOptions, ServeOptions, normalize_model, parse_memory_limit
     from streamctl.serve.run import prepare_launch
-    from streamctl.storage import StorageOptions
 
     engram_options = EngramOptions.parse(cpu_weight_files, cpu_memory_limit, engram or ())
     options = ServeOptions(
@@ -151,7 +151,7 @@ def command(
         distributed=distributed,
         sharded=sharded,
         pattern=pattern,
-        storage=StorageOptions(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account),
+        storage=storage_options(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account),
         engram=engram_options,
         vllm_args=tuple(vllm_args or ()),
         preflight=preflight,
@@ -165,7 +165,7 @@ def command(
     try:
         with output.progress() as progress:
             result = prepare_launch(options, for_kubernetes=k8s, progress=progress)
-    except PreflightFailed as failure:
+    except PreflightFailed as failure:  # the findings on stderr, also with --json (stdout: the error document)
         output.render_verify_report(failure.report, to_stderr=True)
         raise
     kubernetes = ServeManifestOptions(namespace, name, image, service_account, accelerator, secret) if k8s else None

@@ -322,12 +322,12 @@ def _check_memory_limit(
 ) -> None:
     """UsageError for a limit below the largest tensor; a warning when the TP workers' staging outgrows the host."""
     memory_limit = options.memory_limit
-    if facts is not None and memory_limit is not None and memory_limit not in (UNLIMITED, LARGEST_TENSOR):
-        if memory_limit < facts.largest_tensor_bytes:
-            raise UsageError(
-                f"--memory-limit {memory_limit:,} bytes is below the largest tensor ({facts.largest_tensor_bytes:,} bytes)",
-                hint=f"use at least {facts.largest_tensor_bytes:,}, or 0 (= the largest tensor), or -1 (unlimited)",
-            )
+    explicit = memory_limit is not None and memory_limit not in (UNLIMITED, LARGEST_TENSOR)
+    if facts is not None and explicit and memory_limit is not None and memory_limit < facts.largest_tensor_bytes:
+        raise UsageError(
+            f"--memory-limit {memory_limit:,} bytes is below the largest tensor ({facts.largest_tensor_bytes:,} bytes)",
+            hint=f"use at least {facts.largest_tensor_bytes:,}, or 0 (= the largest tensor), or -1 (unlimited)",
+        )
     if not host_memory_bytes or distributed:
         return
     # Without distributed streaming every TP worker stages its own copy (run-ai#76: OOM-killed pods).

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
@@ -97,7 +98,7 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
         if completed.returncode == STREAMER_MISSING_EXIT:
             raise MissingProgramError("--tune needs runai-model-streamer, which is not installed", hint=_STREAMER_HINT)
         if completed.returncode != 0:
-            tail = (open(log.name, errors="replace").read().strip().splitlines() or [""])[-1]
+            tail = (Path(log.name).read_text(errors="replace").strip().splitlines() or [""])[-1]
             last = (completed.stderr.strip().splitlines() or ["no output"])[-1]
             raise RemoteError(
                 f"the streamer failed at concurrency {concurrency}: {last}",

@@ -1,3 +1,5 @@
+# numpy is imported lazily (typed Any) so that `--help` stays fast: its results are Any to mypy.
+# mypy: disable-error-code="no-any-return"
 """Moving tensor bytes: the blocks of whole source rows each TP rank's tensor is cut from (one ranged read
 each), the bits-only casts between BF16, F16 and F32, and the per-rank chunks a block becomes."""
 

@@ -223,7 +223,7 @@ def pipeline_stages(
         for index in range(2, num_layers % size + 2):
             counts[-index] += 1
     starts = [sum(counts[:stage]) for stage in range(size)]
-    return tuple(range(start, start + count) for start, count in zip(starts, counts))
+    return tuple(range(start, start + count) for start, count in zip(starts, counts, strict=False))
 
 
 def rank_segments(

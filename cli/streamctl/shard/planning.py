@@ -334,7 +334,7 @@ def _check_source_shapes(
     """The source tensors must have the shapes config.json implies; otherwise the split would be wrong."""
 
     def refuse(expected: str) -> UsageError:
-        got = ", ".join(f"{source} {list(shape)}" for source, shape in zip(rule.sources, shapes))
+        got = ", ".join(f"{source} {list(shape)}" for source, shape in zip(rule.sources, shapes, strict=False))
         return UsageError(f"{name}: source tensors have shapes {got}; config.json implies {expected}")
 
     if rule.split is Split.VOCAB_ROWS:

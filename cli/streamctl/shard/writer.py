@@ -166,7 +166,7 @@ class _Writer:
                 finishers = [writers[rank].submit(stream.finish) for rank, stream in enumerate(streams)]
                 self._wait(futures)
                 futures.clear()
-                for file, finisher in zip(part_files, finishers):
+                for file, finisher in zip(part_files, finishers, strict=False):
                     tensors = tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors)
                     self.written.append(
                         WrittenFile(

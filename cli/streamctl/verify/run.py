@@ -45,9 +45,11 @@ from streamctl.verify.reading import (
 from streamctl.verify.report import Findings, Layout, Severity, VerifyOptions, VerifyReport, VerifyStats
 from streamctl.verify.sharded import check_shard_manifest, check_sharded, sharded_pattern, sharded_sizes
 
+DEFAULT_OPTIONS = VerifyOptions()  # frozen: one shared default is safe
+
 
 def verify_checkpoint(
-    location: Location, options: VerifyOptions = VerifyOptions(), progress: Progress = NULL_PROGRESS
+    location: Location, options: VerifyOptions = DEFAULT_OPTIONS, progress: Progress = NULL_PROGRESS
 ) -> VerifyReport:
     """Check the checkpoint at `location` and return every finding.
 
@@ -94,7 +96,7 @@ def verify_checkpoint(
     return VerifyReport(location.url, layout, findings.result(), stats, tp, pp)
 
 
-def detect_layout(location: Location, options: VerifyOptions = VerifyOptions()) -> Layout:
+def detect_layout(location: Location, options: VerifyOptions = DEFAULT_OPTIONS) -> Layout:
     """The layout `verify_checkpoint` would check, from one listing and no reads (`serve --no-preflight`).
 
     Raises what `verify_checkpoint` raises for an empty location or one without top-level `.safetensors`.
