@@ -1,3 +1,3 @@
-"""`streamctl serve` as a library: run.py (the whole launch but the printing, and the exec into vLLM), the
-pre-flight (preflight.py), the launch plan (plan.py), vLLM's option table (vllm_args.py), and the streamer
-concurrency probe (tune.py, measuring in subprocesses that run streamer_probe.py)."""
+"""`streamctl serve` as a library: plan.py (ServeOptions and the launch plan), preflight.py (the header check
+before the GPUs spin), tune.py + streamer_probe.py (streamer concurrency, measured in a subprocess),
+vllm_args.py (vLLM's option table and secret flags), run.py (prepare_launch, exec_vllm)."""
