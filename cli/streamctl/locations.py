@@ -20,6 +20,7 @@ from typing import Literal
 
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location
+from streamctl.storage.schemes import SCHEMES
 
 Relation = Literal["same", "inside", "contains"]  # a is b / a is inside b / a contains b
 
@@ -47,7 +48,7 @@ def place_of(location: Location) -> Place:
         root = store.url("")  # a local store's URL of its root is the folder's path
         path = os.path.join(root, *location.prefix.split("/")) if location.prefix else root
         return LocalPlace(os.path.realpath(path))
-    if store.scheme in ("s3", "gs", "az"):
+    if SCHEMES[store.scheme].object_store:
         return BucketPlace(store.scheme, _namespace(location), store.bucket, _segments(location.prefix))
     return None
 

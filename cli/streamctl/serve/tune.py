@@ -18,6 +18,7 @@ from pathlib import Path
 
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.storage import streamer_url
 from streamctl.storage.base import Location, ObjectInfo
 
 DEFAULT_CANDIDATES = (4, 8, 16, 32)
@@ -74,13 +75,6 @@ def sample_files(shards: Sequence[ObjectInfo], budget_bytes: int) -> list[Object
     return chosen
 
 
-def streamer_path(location: Location, key: str) -> str:
-    """What the streamer opens: a local path, or the object URL."""
-    if location.store.scheme == "file":
-        return location.store.url(key)
-    return f"{location.store.scheme}://{location.store.bucket}/{key}"
-
-
 def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], python: str) -> TuneSample:
     with tempfile.NamedTemporaryFile(prefix="streamctl-streamer-", suffix=".log") as log:
         completed = subprocess.run(
@@ -129,7 +123,7 @@ def tune_concurrency(
     progress: Progress = NULL_PROGRESS,
 ) -> TuneResult:
     chosen = sample_files(shards, budget_bytes)
-    paths = [streamer_path(location, info.key) for info in chosen]
+    paths = [streamer_url(location, info.key) for info in chosen]
     task = progress.task("tuning concurrency", len(candidates) + 1)
     # One untimed pass first, so every measured pass sees the same page cache (local) or warm connections.
     _probe(paths, candidates[0], env, python)

@@ -11,20 +11,12 @@ from collections.abc import Callable
 from streamctl import sdklogging
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location, MultipartUpload, ObjectInfo, StorageOptions, Store
+from streamctl.storage.schemes import SCHEMES, Scheme
 from streamctl.storage.url import ParsedURL, parse_url
-
-# scheme -> "module:factory"; each factory is `(ParsedURL, StorageOptions) -> Store`.
-BACKENDS: dict[str, str] = {
-    "file": "streamctl.storage.local:open_store",
-    "s3": "streamctl.storage.s3:open_store",
-    "gs": "streamctl.storage.gcs:open_store",
-    "az": "streamctl.storage.azure:open_store",
-    "hf": "streamctl.storage.hf:open_store",
-}
 
 
 def _factory(scheme: str) -> Callable[[ParsedURL, StorageOptions], Store]:
-    module_name, _, attr = BACKENDS[scheme].partition(":")
+    module_name, _, attr = SCHEMES[scheme].factory.partition(":")
     module = importlib.import_module(module_name)
     sdklogging.apply_all()  # SDK loggers are silent unless --debug (after the import: some set levels then)
     factory: Callable[[ParsedURL, StorageOptions], Store] = getattr(module, attr)
@@ -38,13 +30,10 @@ def open_location(url: str, options: StorageOptions | None = None) -> Location:
     return Location(store, parsed.prefix)
 
 
-READ_ONLY_SCHEMES = frozenset({"hf"})
-
-
 def open_destination(url: str, options: StorageOptions | None = None) -> Location:
     """open_location for a place to write: a read-only store (the Hub) is refused before any request."""
     parsed = parse_url(url)
-    if parsed.scheme in READ_ONLY_SCHEMES:
+    if not SCHEMES[parsed.scheme].writable:
         raise UsageError(
             f"{url}: the Hugging Face Hub is read-only here; it can be a SOURCE, not a DEST",
             hint="write to a folder or a bucket (publish to the Hub with `hf upload`)",
@@ -52,15 +41,25 @@ def open_destination(url: str, options: StorageOptions | None = None) -> Locatio
     return open_location(url, options)
 
 
+def streamer_url(location: Location, key: str) -> str:
+    """What the Run:ai streamer and vLLM open for `key`: a local path, or SCHEME://BUCKET/KEY."""
+    store = location.store
+    if SCHEMES[store.scheme].object_store:
+        return f"{store.scheme}://{store.bucket}/{key}"
+    return store.url(key)
+
+
 __all__ = [
-    "BACKENDS",
+    "SCHEMES",
     "Location",
     "MultipartUpload",
     "ObjectInfo",
     "ParsedURL",
+    "Scheme",
     "StorageOptions",
     "Store",
     "open_destination",
     "open_location",
     "parse_url",
+    "streamer_url",
 ]

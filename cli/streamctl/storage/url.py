@@ -9,8 +9,8 @@ from urllib.parse import quote, unquote, urlparse
 
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location, unsafe_path_reason
+from streamctl.storage.schemes import ALIASES, OBJECT_SCHEMES
 
-OBJECT_SCHEMES = ("s3", "gs", "az")
 _AZURE_HTTPS = re.compile(r"^https://([a-z0-9]{3,24})\.blob\.core\.windows\.net(?:/(.*))?$", re.IGNORECASE)
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
 
@@ -102,8 +102,7 @@ def parse_url(url: str) -> ParsedURL:
         if not path:
             raise UsageError(f"no path in {url!r}")
         return ParsedURL("file", path, "")
-    if scheme == "gcs":
-        scheme = "gs"
+    scheme = ALIASES.get(scheme, scheme)
     if scheme == "hf":
         return _parse_hf(rest, url)
     if scheme not in OBJECT_SCHEMES:
