@@ -449,6 +449,12 @@ def log_transfer_plan(plan: TransferPlan) -> None:
         render_transfer_plan(plan, to_stderr=True)
 
 
+def render_serve_result(result: Any) -> None:
+    """`serve --dry-run`: the checked vLLM command line, one shell line that can be pasted as it is."""
+    sys.stdout.write(result.plan.shell_line() + "\n")
+    sys.stdout.flush()
+
+
 def render_tune_result(result: TuneResult) -> None:
     from rich.table import Table
 
@@ -533,6 +539,7 @@ RENDERERS: dict[str, Callable[[Any], None]] = {
     "TransferPlan": render_transfer_plan,
     "TransferRun": render_transfer_run,
     "ShardResult": render_shard_result,
+    "ServeResult": render_serve_result,
 }
 # Shown above the error line of a failure that carries a result (a shard run whose checks failed).
 FAILURE_RENDERERS: dict[str, Callable[[Any], None]] = {"ShardResult": render_shard_checks}

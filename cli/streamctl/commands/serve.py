@@ -183,10 +183,8 @@ def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run:
         output.warn(warning)  # silent with --json: the document lists them
     if manifests is not None:
         typer.echo(manifests, nl=False)
-    elif output.settings.json:
-        output.print_json(result.to_json())
-    elif dry_run:
-        typer.echo(result.plan.shell_line())
+    elif dry_run or output.settings.json:
+        output.emit(result)
     else:
         exec_vllm(result)
 
