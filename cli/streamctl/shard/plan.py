@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
 from streamctl.checkpoint.sharded_names import format_name
@@ -188,6 +188,23 @@ class ShardPlan:
     @property
     def total_bytes(self) -> int:
         return sum(file.size for file in self.files())
+
+    @classmethod
+    def for_run(
+        cls, source: str, dest: str, options: ShardOptions, pattern: str, version: str | None, **layout: Any
+    ) -> ShardPlan:
+        """A plan with the run's own fields taken from `options`; `layout` holds the rest (row, dims, stages...)."""
+        return cls(
+            source=source,
+            dest=dest,
+            tensor_parallel_size=options.tensor_parallel_size,
+            pipeline_parallel_size=options.pipeline_parallel_size,
+            pattern=pattern,
+            vllm_version=version,
+            dtype=options.dtype,
+            max_part_size=options.max_part_size,
+            **layout,
+        )
 
 
 # =============================================================================================== pure layout rules

@@ -409,17 +409,14 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
         stages.append(StagePlan(pp_rank, layers, split_into_parts(planned, options.max_part_size)))
     _check_every_source_used(tensors, stages, dims.tied)
 
-    plan = ShardPlan(
-        source=source_id or source.url,
-        dest=dest.url,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        pattern=pattern,
-        vllm_version=version,
+    plan = ShardPlan.for_run(
+        source_id or source.url,
+        dest.url,
+        options,
+        pattern,
+        version,
         row=row,
         dims=dims,
-        dtype=options.dtype,
-        max_part_size=options.max_part_size,
         stages=tuple(stages),
         serving_files=serving_files_to_copy(source, listing, config),
         stale=(),

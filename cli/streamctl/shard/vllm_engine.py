@@ -224,17 +224,14 @@ def _plan_for_saved(
         pass
     row = layout_row(version)
     dims = ModelDims(architecture, 0, 0, 0, 0, 0, 0, 0, False)
-    return ShardPlan(
+    return ShardPlan.for_run(
         source=source_id or source.url,
         dest=dest.url,
-        tensor_parallel_size=options.tensor_parallel_size,
-        pipeline_parallel_size=options.pipeline_parallel_size,
+        options=options,
         pattern=pattern,
-        vllm_version=version,
+        version=version,
         row=row,
         dims=dims,
-        dtype=options.dtype,
-        max_part_size=options.max_part_size,
         stages=(),
         serving_files=serving_files,
         stale=cleanup.to_remove,
