@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from servers import GCS_PROJECT, AzureServer, GCSServer, S3Server, ServerUnavailable, StorageServers
+
+# A shell without job control starts `pytest &` with SIGINT ignored, and an ignored signal stays ignored in
+# every process the tests start, so the Ctrl-C tests would see a CLI that cannot be interrupted. A handled
+# signal is reset to its default on exec: the CLI subprocesses start with Python's own Ctrl-C handling.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # =========================================================================================================
 # Storage: local test servers (moto S3, GCS emulator, Azurite), fresh roots, and their environment.
