@@ -8,6 +8,7 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 from __future__ import annotations
 
 import builtins
+import hashlib
 import mimetypes
 import os
 import posixpath
@@ -132,6 +133,21 @@ class ObjectInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class HeldPart:
+    """A part an unfinished upload already holds at the destination (see Store.start_multipart's `resume`):
+    its size and the MD5 of its bytes as the store records them (S3 part ETag, GCS md5Hash, the digest in an
+    Azure block id that Azure checked on staging, the bytes of a local partial file read back)."""
+
+    index: int
+    size: int
+    md5: str  # hex
+
+    def matches(self, data: bytes | memoryview) -> bool:
+        """Whether these are the bytes the destination holds: only then may the part be reused."""
+        return len(data) == self.size and hashlib.md5(data, usedforsecurity=False).hexdigest() == self.md5
+
+
 # Writes bytes at any offset of an upload's object: `write(offset, data)` (see MultipartUpload.positional_writer).
 PositionalWrite = Callable[[int, "bytes | memoryview"], None]
 
@@ -158,6 +174,12 @@ class MultipartUpload(Protocol):
         """Discard every part sent; safe to call twice or after a failure."""
         ...
 
+    def held_parts(self) -> builtins.list[HeldPart]:
+        """The parts the destination already holds for this upload: none for a new upload, those an earlier
+        run sent for one reopened through `resume`. Each still counts as sent: `complete()` includes it
+        unless `upload_part` sends that index again."""
+        ...
+
     def positional_writer(self) -> PositionalWrite | None:
         """A capability: where the object can be written at any offset (a local file), the function that
         does, which spares a writer streaming in order the copy that assembling parts takes; None where
@@ -176,6 +198,9 @@ class UnfinishedUpload:
     # When the upload began, by the store's clock (S3 Initiated, GCS timeCreated of its first part, Azure
     # creation time, local mtime), timezone-aware; None where the store does not say.
     started: datetime | None = None
+    # The `resume` token it was started with (Store.start_multipart), where the store can tell: a run
+    # that would start it again with that token reopens it instead of discarding it.
+    resume: str | None = None
 
 
 class Store(Protocol):
@@ -184,8 +209,10 @@ class Store(Protocol):
 
     scheme: str
     bucket: str
-    # Smallest part size a multipart upload accepts (except the last part), and the most parts.
+    # Smallest part size a multipart upload accepts (except the last part), the largest, and the most
+    # parts (see PartLimits, which every writer sizes its parts by).
     min_part_size: int
+    max_part_size: int
     max_parts: int
 
     def url(self, key: str) -> str:
@@ -213,8 +240,19 @@ class Store(Protocol):
         ...
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
-    ) -> MultipartUpload: ...
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
+    ) -> MultipartUpload:
+        """A new upload, or with `resume` (16 hex digits that name everything the upload will be: object,
+        size, part size, metadata) the unfinished upload of `key` an earlier run started with the same
+        token, reopened with the parts it holds (`held_parts()`); a new one under that token when none is
+        left. The caller makes the token: the store takes it as the promise that metadata and part size
+        are what they were."""
+        ...
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing object is not an error."""
