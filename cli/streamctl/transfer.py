@@ -548,7 +548,8 @@ class _Engine:
                 if self.cancelled.is_set():
                     raise Cancelled()
                 held = self.budget.acquire(length, self.cancelled)
-                futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, held_parts.get(index)))  # type: ignore[arg-type]
+                at_dest = held_parts.get(index)
+                futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, at_dest))  # type: ignore[arg-type]
             for future in futures:
                 future.result()
             problem = _mismatch(chain.digests, sha256, file.git_sha1)

@@ -27,6 +27,7 @@ import pytest
 from cli_helpers import run_cli
 from progress_helpers import RecordingProgress
 from streamctl.checkpoint.files import MANIFEST_NAME
+from streamctl.errors import RemoteError
 from streamctl.retry import RetryPolicy
 from streamctl.storage import open_location
 from streamctl.storage.base import Location, MultipartUpload, parse_temporary_key
@@ -52,7 +53,9 @@ class KilledAfterParts:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None) -> Any:
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
         upload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
         limit = self.parts
 
@@ -88,7 +91,9 @@ class CountingStore:
         self._count(key, len(data))
         return self.inner.put(key, data, metadata, content_type)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None) -> Any:
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
         upload: MultipartUpload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
         count = self._count
 
@@ -182,7 +187,8 @@ def corrupt_part(dest_url: str, index: int, part: int) -> None:
         (item,) = client.list_multipart_uploads(Bucket=store.bucket, Prefix=key)["Uploads"]
         client.upload_part(Bucket=store.bucket, Key=key, UploadId=item["UploadId"], PartNumber=index + 1, Body=garbage)
     elif dest_url.startswith("gs://"):
-        store._bucket.blob(f"{dest.prefix}/.streamctl-tmp/{upload.resume}/{NAME}/{index:05d}").upload_from_string(garbage)
+        part_object = f"{dest.prefix}/.streamctl-tmp/{upload.resume}/{NAME}/{index:05d}"
+        store._bucket.blob(part_object).upload_from_string(garbage)
     elif dest_url.startswith("az://"):
         from streamctl.storage.azure import block_id
 
@@ -234,3 +240,162 @@ def test_a_changed_source_reuses_no_part(any_root: str, tmp_path: Path) -> None:
     assert result.discarded == ()  # reopened: the upload looks like this plan's ...
     assert result.bytes_resumed == 0 and sent == len(changed)  # ... but no held part matches the source
     assert_object(dest_url, changed)
+
+
+def test_a_subprocess_killed_with_sigkill_after_some_parts_resumes(
+    s3_root: str, tmp_path: Path, storage_env: dict[str, str]
+) -> None:
+    """A real kill -9 once DEST holds two parts: the re-run (same plan) sends only the rest."""
+    import boto3
+
+    part = 5 * MiB
+    data = random.Random(11).randbytes(9 * part + 123)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / NAME).write_bytes(data)
+    dest = open_location(s3_root)
+    bucket, key = s3_root.split("/")[2], dest.key(NAME)
+    client = boto3.client("s3", endpoint_url=storage_env["AWS_ENDPOINT_URL"])
+    arguments = [str(tmp_path / "src"), s3_root, "--all-files", "-j", "1", "--part-size", "5MiB"]
+    arguments += ["--max-buffer", "5MiB"]
+
+    def parts_held() -> int:
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=key).get("Uploads", [])
+        if not uploads:
+            return 0
+        return len(client.list_parts(Bucket=bucket, Key=key, UploadId=uploads[0]["UploadId"]).get("Parts", []))
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamctl", "transfer", *arguments, "--no-verify"],
+        env={**os.environ, **storage_env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while parts_held() < 2:
+        assert process.poll() is None, "the transfer ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting for two parts"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait(10)
+    held = parts_held()
+    assert 2 <= held < 10, "the transfer finished before it could be killed"
+
+    rerun = run_cli("transfer", *arguments, "--no-verify", "--json", env=storage_env)
+    assert rerun.exit_code == 0, rerun.stderr
+    document = rerun.json()
+    assert document["discarded_uploads"] == []
+    assert document["bytes_resumed"] >= held * part - part  # the last part listed may be one cut short
+    assert document["bytes_resumed"] + document["bytes_copied"] == len(data)
+    assert_object(s3_root, data)
+
+
+# --------------------------------------------------------------------------------- part size limits
+
+
+def test_a_part_size_below_the_destination_s_smallest_part_exits_2_naming_it(
+    s3_root: str, tmp_path: Path, storage_env: dict[str, str]
+) -> None:
+    write_source(tmp_path / "src", MiB, seed=1)
+    result = run_cli("transfer", str(tmp_path / "src"), s3_root, "--all-files", "--part-size", "1MiB", env=storage_env)
+    assert result.exit_code == 2, result.stderr
+    assert "S3's smallest part, 5 MiB" in result.stderr and "Traceback" not in result.stderr
+    assert "--part-size 5 MiB" in result.stderr  # the hint says what to pass
+    document = run_cli(
+        "transfer", str(tmp_path / "src"), s3_root, "--all-files", "--part-size", "4MiB", "--json", env=storage_env
+    )
+    assert document.exit_code == 2 and "5 MiB" in document.json()["error"]["message"]
+    assert list(open_location(s3_root).list()) == []  # refused before anything was written
+
+
+def test_a_part_size_above_the_destination_s_largest_part_exits_2_naming_it(
+    az_root: str, tmp_path: Path, storage_env: dict[str, str]
+) -> None:
+    write_source(tmp_path / "src", MiB, seed=1)
+    arguments = ["--part-size", "4001MiB", "--max-buffer", "5GiB"]
+    result = run_cli("transfer", str(tmp_path / "src"), az_root, "--all-files", *arguments, env=storage_env)
+    assert result.exit_code == 2, result.stderr
+    assert "Azure Blob's largest part, 4,000 MiB" in result.stderr
+
+
+def test_a_file_that_needs_more_parts_than_the_destination_allows_gets_larger_parts(
+    any_root: str, tmp_path: Path
+) -> None:
+    """S3 allows 10,000 parts, Azure 50,000 blocks, GCS 1,024 components (composed 32 at a time, in rounds):
+    here the limit is lowered to 3 so that a small file passes it."""
+    part = part_size_of(any_root)
+    data = write_source(tmp_path / "src", part, seed=8)  # four parts of --part-size
+    dest = open_location(any_root)
+    dest.store.max_parts = 3  # type: ignore[misc]
+    counting = CountingStore(dest.store)
+    parts: list[int] = []
+    original = counting.start_multipart
+
+    def start(*arguments: Any, **keywords: Any) -> Any:
+        upload = original(*arguments, **keywords)
+        parts.append(upload.part_size)
+        return upload
+
+    counting.start_multipart = start  # type: ignore[method-assign]
+    progress = RecordingProgress()
+    source = open_location(str(tmp_path / "src"))
+    options = options_for(any_root)
+    plan = plan_transfer(source, Location(counting, dest.prefix), source_identity(source), options)
+    execute_transfer(plan, source, Location(counting, dest.prefix), options, progress)
+    assert parts == [2 * part if part == MiB else 6 * MiB]  # whole MiB, so that 3 parts hold the file
+    logs = [message for kind, message in progress.events if kind == "log"]
+    assert any("limit of 3 parts; using parts of" in line for line in logs), logs
+    dest.store.max_parts = 10_000  # type: ignore[misc]
+    assert_object(any_root, data)
+
+
+def test_a_file_too_large_for_the_destination_is_refused_before_anything_is_written(
+    s3_root: str, tmp_path: Path
+) -> None:
+    from streamctl.errors import UsageError
+
+    write_source(tmp_path / "src", 5 * MiB, seed=1)  # 16.7 MiB
+    dest = open_location(s3_root)
+    dest.store.max_parts, dest.store.max_part_size = 2, 6 * MiB  # type: ignore[misc]
+    source = open_location(str(tmp_path / "src"))
+    with pytest.raises(UsageError, match=r"too large for S3: at most 2 parts of at most 6 MiB"):
+        plan_transfer(source, dest, source_identity(source), options_for(s3_root))
+    assert list(dest.list()) == []
+
+
+class LinkLostAfterParts(KilledAfterParts):
+    """DEST's store, whose link is lost for good as part `k` goes up (past every retry); aborts do work."""
+
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
+        limit = self.parts
+
+        class Upload:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(upload, name)
+
+            def upload_part(self, index: int, data: bytes) -> None:
+                if index >= limit:
+                    raise RemoteError("connection reset by peer (injected)")
+                upload.upload_part(index, data)
+
+        return Upload()
+
+
+def test_a_run_that_loses_its_link_keeps_the_parts_sent_for_the_next_run(any_root: str, tmp_path: Path) -> None:
+    part = part_size_of(any_root)
+    data = write_source(tmp_path / "src", part, seed=21)
+    dest = open_location(any_root)
+    progress = RecordingProgress()
+    source = open_location(str(tmp_path / "src"))
+    options = options_for(any_root)
+    failing = Location(LinkLostAfterParts(dest.store, 2), dest.prefix)
+    plan = plan_transfer(source, failing, source_identity(source), options)
+    with pytest.raises(RemoteError):
+        execute_transfer(plan, source, failing, options, progress)
+    assert any("for the next run to resume: weights.bin" in m for kind, m in progress.events if kind == "log")
+    assert [dest.relative(upload.key) for upload in dest.store.unfinished_uploads(dest.key(""))] == [NAME]
+    result, sent = resume(str(tmp_path / "src"), any_root)
+    assert result.bytes_resumed == 2 * part and sent == len(data) - 2 * part
+    assert_object(any_root, data)

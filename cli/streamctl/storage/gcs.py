@@ -432,8 +432,9 @@ class GCSStore(_errors.CloudRequests):
     ) -> GCSMultipartUpload:
         # Nothing to create on the server: parts are independent objects until complete() composes them.
         # Under a `resume` token, the part objects an earlier run left under that token are the upload's.
+        token = resume or new_temporary_token()
         upload = GCSMultipartUpload(
-            self, key, part_size, resume or new_temporary_token(), lower_keys(metadata), content_type or content_type_for(key)
+            self, key, part_size, token, lower_keys(metadata), content_type or content_type_for(key)
         )
         if resume is not None:
             upload._find_held_parts()
