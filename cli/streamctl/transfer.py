@@ -8,7 +8,13 @@ the upload is completed only when it matches the source's (the hub's LFS sha256,
 of small files); otherwise it is aborted and the file retried once from scratch.
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
-stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match.
+stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match. Inside a
+file too: each upload is started under a resume token naming the plan's upload of it (object, size, part
+size, source, commit, the source's version of the file), so the next run of the same plan reopens what a
+killed run (kill -9, an evicted pod, a link lost past its retries) left and sends only the parts DEST
+lacks. It still reads every byte of the source, to hash the whole file before completing and to check
+each held part: a part is reused only when the MD5 of the source's bytes matches what DEST holds (see
+storage.base.HeldPart); any other is sent again. Uploads of other plans are discarded, as before.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ the next run sends is counted by a wrapper around DEST's store (every byte hande
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import random
@@ -18,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +28,9 @@ from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.errors import RemoteError
 from streamctl.retry import RetryPolicy
 from streamctl.storage import open_location
-from streamctl.storage.base import Location, MultipartUpload, parse_temporary_key
-from streamctl.transfer import TransferOptions, TransferResult, execute_transfer, plan_transfer
+from streamctl.storage.base import Location, MultipartUpload
 from streamctl.storage.url import source_identity
+from streamctl.transfer import TransferOptions, TransferResult, execute_transfer, plan_transfer
 
 MiB = 1024 * 1024
 FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.02)

@@ -24,13 +24,14 @@ MiB = 1024 * 1024
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
 LEASE_NAME = ".streamctl-lease"
 
-# Temporary names, one form for every backend that makes them (local files, GCS part objects): the bytes
-# of an upload of `DIR/NAME` live under `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds
-# `/PART`), TOKEN being 16 random hex digits. The final name stays one whole path segment of its own, so
-# any name that fits the destination also fits as a temporary name (a 250-byte name is 250 bytes there
-# too), and the name a killed upload was meant to get is read back from the path, no side record needed.
-# Only that exact shape is temporary: `list()` hides it and `unfinished_uploads()` discards it; anything
-# else (a source's `.NAME.HEX.streamctl-partial`, a plain `.streamctl-tmp/notes.txt`) is data.
+# Temporary names, one form for every backend that makes them (local files, GCS part objects, the record
+# of an S3 multipart upload started with a resume token): the bytes of an upload of `DIR/NAME` live under
+# `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds `/PART`), TOKEN being 16 hex digits: random, or
+# the upload's resume token (Store.start_multipart). The final name stays one whole path segment of its
+# own, so any name that fits the destination also fits as a temporary name (a 250-byte name is 250 bytes
+# there too), and the name a killed upload was meant to get is read back from the path, no side record
+# needed. Only that exact shape is temporary: `list()` hides it and `unfinished_uploads()` discards it;
+# anything else (a source's `.NAME.HEX.streamctl-partial`, a plain `.streamctl-tmp/notes.txt`) is data.
 TEMPORARY_FOLDER = ".streamctl-tmp"
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 
