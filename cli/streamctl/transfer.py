@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from streamctl.checkpoint.files import (
     CONFIG_NAME,
@@ -538,13 +538,13 @@ class _Engine:
         metadata = {SHA256_KEY: sha256, **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {})}
         key = self.dest.key(file.path)
         token = self.resume_token(file)
-        upload = self._retry(
+        started = self._retry(
             lambda: store.start_multipart(key, part_size, metadata, None, token), f"upload of {file.path}"
         )
-        assert not isinstance(upload, (bytes, type(None)))
+        upload = cast(MultipartUpload, started)
         with self.lock:
-            self.open_uploads[id(upload)] = upload  # type: ignore[assignment]
-        held_parts = {part.index: part for part in upload.held_parts()}  # type: ignore[union-attr]
+            self.open_uploads[id(upload)] = upload
+        held_parts = {part.index: part for part in upload.held_parts()}
         chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
         futures: list[Future[None]] = []
         kept = False
@@ -555,13 +555,14 @@ class _Engine:
                     raise Cancelled()
                 held = self.budget.acquire(length, self.cancelled)
                 at_dest = held_parts.get(index)
-                futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, at_dest))  # type: ignore[arg-type]
+                future = self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, at_dest)
+                futures.append(future)
             for future in futures:
                 future.result()
             problem = _mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
-            self._retry(lambda: upload.complete(metadata), f"completion of {file.path}")  # type: ignore[union-attr]
+            self._retry(lambda: upload.complete(metadata), f"completion of {file.path}")
             return sha256
         except BaseException as error:
             chain.fail()
@@ -570,7 +571,7 @@ class _Engine:
             # A lost link or a stopped run leaves sound parts: the run decides whether they stay to resume.
             kept = isinstance(error, (Cancelled, RemoteError))
             if not kept:
-                self._abort(upload)  # type: ignore[arg-type]
+                self._abort(upload)
             raise
         finally:
             if not kept:

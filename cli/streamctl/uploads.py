@@ -16,7 +16,7 @@ from streamctl import __version__
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.sizes import binary_size
-from streamctl.storage.base import MiB, Location, ObjectInfo, Store
+from streamctl.storage.base import Location, MiB, ObjectInfo, Store
 
 SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries
 

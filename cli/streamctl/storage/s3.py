@@ -304,6 +304,10 @@ class S3MultipartUpload:
         self._drop_record()
 
 
+def _all_pages(paginator: Any, **arguments: Any) -> builtins.list[dict[str, Any]]:
+    return list(paginator.paginate(**arguments))
+
+
 def _is_no_such_upload(error: StreamctlError) -> bool:
     cause = error.__cause__
     return isinstance(cause, bce.ClientError) and _client_error_status(cause)[1] == "NoSuchUpload"
@@ -574,7 +578,7 @@ class S3Store(_errors.CloudRequests):
         for folder in folders:
             with self._guard(Op.LIST, folder):
                 paginator = self._client.get_paginator("list_objects_v2")
-                pages = self._call(folder, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=folder)))
+                pages = self._call(folder, partial(_all_pages, paginator, Bucket=self.bucket, Prefix=folder))
             for item in (item for page in pages for item in page.get("Contents", ())):
                 temporary = parse_temporary_key(item["Key"])
                 record = self._read_record(item["Key"]) if temporary is not None else None
