@@ -397,3 +397,34 @@ def test_a_run_that_loses_its_link_keeps_the_parts_sent_for_the_next_run(any_roo
     result, sent = resume(str(tmp_path / "src"), any_root)
     assert result.bytes_resumed == 2 * part and sent == len(data) - 2 * part
     assert_object(any_root, data)
+
+
+def test_each_backend_s_part_count_limit_raises_the_part_size(tmp_path: Path) -> None:
+    """S3: 10,000 parts; Azure: 50,000 blocks; GCS: 1,024 components (compose takes 32 sources a call, and
+    the GCS backend composes in rounds, so the component count is the limit); parts grow in whole MiB."""
+    from streamctl.storage.azure import AzureAuth, AzureStore
+    from streamctl.storage.gcs import GCSStore
+    from streamctl.storage.local import LocalStore
+    from streamctl.storage.s3 import S3Settings, S3Store
+    from streamctl.uploads import part_size_for
+
+    s3 = S3Store("b", S3Settings(None, "auto", 1))
+    azure = AzureStore("c", AzureAuth("connection string", "a"))
+    gcs, local = GCSStore("b"), LocalStore(tmp_path)
+    size = 100 * 1024 * MiB
+    assert part_size_for(size, MiB, s3) == 11 * MiB  # 102,400 MiB / 10,000 parts, and 5 MiB at least
+    assert part_size_for(size, MiB, azure) == 3 * MiB  # / 50,000 blocks
+    assert part_size_for(size, MiB, gcs) == 100 * MiB  # / 1,024 components
+    assert part_size_for(size, MiB, local) == MiB
+    assert part_size_for(MiB, MiB, s3) == 5 * MiB  # the smallest part S3 takes (a small file: one part)
+    assert part_size_for(size, 64 * MiB, s3) == 64 * MiB  # already few enough parts
+
+
+def test_the_summary_says_how_much_an_earlier_run_had_sent(local_root: str, tmp_path: Path) -> None:
+    data = write_source(tmp_path / "src", MiB, seed=31)
+    kill_after(str(tmp_path / "src"), local_root, 2)
+    options = ["--all-files", "--part-size", "1MiB", "--max-buffer", "2MiB", "--no-verify"]
+    result = run_cli("transfer", str(tmp_path / "src"), local_root, *options)
+    assert result.exit_code == 0, result.stderr
+    assert "2.0 MiB an earlier run had sent were not sent again" in " ".join(result.stdout.split()), result.stdout
+    assert_object(local_root, data)
