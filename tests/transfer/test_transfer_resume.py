@@ -143,14 +143,14 @@ def resume(source_url: str, dest_url: str) -> tuple[TransferResult, int]:
     return result, counting.sent.get(dest.key(NAME), 0)
 
 
-def assert_object(dest_url: str, data: bytes) -> None:
+def assert_object(dest_url: str, data: bytes, others: tuple[str, ...] = ()) -> None:
     dest = open_location(dest_url)
     info = dest.store.stat(dest.key(NAME))
     assert info.size == len(data)
     assert dest.store.read_range(dest.key(NAME), 0, info.size) == data
     assert info.metadata["sha256"] == hashlib.sha256(data).hexdigest()
     assert dest.store.unfinished_uploads(dest.key("")) == []
-    assert sorted(dest.relative(item.key) for item in dest.list()) == sorted([MANIFEST_NAME, NAME])
+    assert sorted(dest.relative(item.key) for item in dest.list()) == sorted([MANIFEST_NAME, NAME, *others])
 
 
 @pytest.mark.parametrize("parts_done", [1, 2])
@@ -428,3 +428,25 @@ def test_the_summary_says_how_much_an_earlier_run_had_sent(local_root: str, tmp_
     assert result.exit_code == 0, result.stderr
     assert "2.0 MiB an earlier run had sent were not sent again" in " ".join(result.stdout.split()), result.stdout
     assert_object(local_root, data)
+
+
+def test_a_hub_source_resumes_at_its_commit_and_not_at_another(fake_hub: Any, gs_root: str) -> None:
+    """A hub file's upload is named by the repo, the commit and the file's LFS sha256: the same revision
+    resumes (the held parts are downloaded again to be hashed, not uploaded); a new commit that changed the
+    file discards it."""
+    part = MiB
+    data = random.Random(41).randbytes(3 * part + 77)
+    repo = fake_hub.add_repo("org/resume", {NAME: data, "config.json": b"{}"}, lfs_suffixes=(".bin",))
+    kill_after("hf://org/resume", gs_root, 2)
+    result, sent = resume("hf://org/resume", gs_root)
+    assert result.bytes_resumed == 2 * part and sent == len(data) - 2 * part
+    assert_object(gs_root, data, ("config.json",))
+
+    again = f"{gs_root}-again"
+    kill_after("hf://org/resume", again, 2)
+    changed = random.Random(42).randbytes(len(data))
+    repo.commit({NAME: changed, "config.json": b"{}"})
+    result, sent = resume("hf://org/resume", again)
+    assert result.discarded == (NAME,)
+    assert result.bytes_resumed == 0 and sent == len(changed)
+    assert_object(again, changed, ("config.json",))
