@@ -28,7 +28,7 @@ from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.errors import RemoteError
 from streamctl.retry import RetryPolicy
 from streamctl.storage import open_location
-from streamctl.storage.base import Location, MultipartUpload
+from streamctl.storage.base import Location, MultipartUpload, part_digest
 from streamctl.storage.url import source_identity
 from streamctl.transfer import TransferOptions, TransferResult, execute_transfer, plan_transfer
 
@@ -190,8 +190,9 @@ def corrupt_part(dest_url: str, index: int, part: int) -> None:
     elif dest_url.startswith("az://"):
         from streamctl.storage.azure import block_id
 
-        md5 = hashlib.md5(garbage)
-        store._blob(key).stage_block(block_id(upload.resume, index, md5.hexdigest()), garbage, length=part)
+        store._blob(key).stage_block(
+            block_id(upload.resume, index, part_digest("crc32", garbage)), garbage, length=part
+        )
     else:
         (partial,) = (Path(dest_url) / ".streamctl-tmp").glob(f"*/{NAME}")
         with open(partial, "r+b") as handle:

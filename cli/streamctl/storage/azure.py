@@ -9,10 +9,9 @@ through azure.identity.DefaultAzureCredential (`az login`, managed identity, wor
 Multipart uploads stage blocks (`stage_block`, any order, any thread) and commit the block list in index
 order. Abort needs no request: staged but uncommitted blocks are never readable or listed, the next commit
 of the same blob discards every block not in its list, and Azure deletes the rest after a week. Block ids
-carry a per-upload nonce, so two uploads racing for one name never commit each other's blocks, and the MD5
-of the block's bytes, sent as its Content-MD5 so that Azure refuses a block whose bytes differ: Get Block
-List then says what each staged block holds, and an upload reopened under its nonce (a `resume` token)
-reuses only the blocks whose MD5 matches the source.
+carry a per-upload nonce, so two uploads racing for one name never commit each other's blocks, and the CRC32
+of the block's bytes (see storage.base.part_digest): Get Block List then says what each staged block holds,
+and an upload reopened under its nonce (a `resume` token) reuses only the blocks that match the source.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import base64
 import binascii
 import builtins
-import hashlib
 import os
 import re
 import threading
@@ -47,6 +45,7 @@ from streamctl.storage.base import (
     UnfinishedUpload,
     content_type_for,
     new_temporary_token,
+    part_digest,
 )
 from streamctl.storage.url import ParsedURL
 
@@ -288,18 +287,18 @@ def shared_default_credential() -> OnceCredential:
         return _credential
 
 
-def block_id(nonce: str, index: int, md5: str) -> str:
+def block_id(nonce: str, index: int, crc32: str) -> str:
     """Block ids of one blob must all have the same length, at most 64 bytes before the SDK base64-encodes
-    them; this one is always 58: the upload's 16-hex-digit nonce, the part index and the hex MD5 of the
+    them; this one is always 34: the upload's 16-hex-digit nonce, the part index and the hex CRC32 of the
     block's bytes."""
-    return f"{nonce}-{index:08d}-{md5}"
+    return f"{nonce}-{index:08d}-{crc32}"
 
 
-_BLOCK_ID = re.compile(r"([0-9a-f]{16})-(\d{8})-([0-9a-f]{32})")
+_BLOCK_ID = re.compile(r"([0-9a-f]{16})-(\d{8})-([0-9a-f]{8})")
 
 
 def parse_block_id(block: str) -> tuple[str, int, str] | None:
-    """(nonce, index, md5) of a block id block_id() made (as Get Block List gives it back); None for any other."""
+    """(nonce, index, crc32) of a block id block_id() made (as Get Block List gives it back); None for others."""
     match = _BLOCK_ID.fullmatch(block)
     return (match.group(1), int(match.group(2)), match.group(3)) if match else None
 
@@ -330,15 +329,10 @@ class AzureMultipartUpload:
 
     def upload_part(self, index: int, data: bytes) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
-        md5 = hashlib.md5(data, usedforsecurity=False)
-        block = block_id(self.nonce, index, md5.hexdigest())
+        block = block_id(self.nonce, index, part_digest("crc32", data))
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
-            self.store._call(
-                self.key,
-                lambda: blob.stage_block(block, data, length=len(data), transactional_content_md5=md5.digest()),
-                len(data),
-            )
+            self.store._call(self.key, lambda: blob.stage_block(block, data, length=len(data)), len(data))
         with self._lock:
             self._blocks[index] = (block, len(data))
 
@@ -357,7 +351,7 @@ class AzureMultipartUpload:
             parsed = parse_block_id(block.id)
             if parsed is not None and parsed[0] == self.nonce and parsed[1] not in self._blocks:
                 self._blocks[parsed[1]] = (block.id, int(block.size))
-                self._held.append(HeldPart(parsed[1], int(block.size), parsed[2]))
+                self._held.append(HeldPart(parsed[1], int(block.size), parsed[2], "crc32"))
 
     def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         with self._lock:

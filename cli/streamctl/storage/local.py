@@ -21,6 +21,7 @@ import hashlib
 import os
 import stat as stat_mode
 import threading
+import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -314,10 +315,10 @@ class LocalMultipartUpload:
             size = os.fstat(fd).st_size
             for index, start in enumerate(range(0, size, self.part_size)):
                 length = min(self.part_size, size - start)
-                digest = hashlib.md5(usedforsecurity=False)
+                crc = 0  # a digest of our own: CRC32, ~8x faster than MD5 (see part_digest)
                 for offset in range(start, start + length, 8 << 20):
-                    digest.update(os.pread(fd, min(8 << 20, start + length - offset), offset))
-                self._held.append(HeldPart(index, length, digest.hexdigest()))
+                    crc = zlib.crc32(os.pread(fd, min(8 << 20, start + length - offset), offset), crc)
+                self._held.append(HeldPart(index, length, f"{crc:08x}", "crc32"))
         except OSError as error:
             raise _map_os_error(error, self.temporary_path) from None
         finally:
