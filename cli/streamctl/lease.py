@@ -340,9 +340,17 @@ class FencedStore:
         self.store.delete(key)
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
     ) -> MultipartUpload:
-        upload = self.store.start_multipart(key, part_size, metadata, content_type)
+        if resume is None:  # as writers that never resume (shard) call it
+            upload = self.store.start_multipart(key, part_size, metadata, content_type)
+        else:
+            upload = self.store.start_multipart(key, part_size, metadata, content_type, resume)
         complete = upload.complete
 
         def guarded_complete(metadata: Mapping[str, str] | None = None) -> ObjectInfo:

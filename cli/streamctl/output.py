@@ -430,6 +430,8 @@ def render_transfer_result(result: TransferResult) -> None:
     )
     if result.removed:
         discarded += f"; removed {plural(len(result.removed), 'file')} an earlier streamctl run wrote"
+    if result.bytes_resumed:
+        discarded += f"; {human_bytes(result.bytes_resumed)} an earlier run had sent were not sent again"
     print_phrases(stdout(), [
         f"[bold green]done[/] {escape(result.dest)}:", f"{copied:,} copied,", f"{skipped:,} unchanged{discarded};",
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s{_rate(result.bytes_copied, result.seconds)}",

@@ -57,6 +57,11 @@ def parse_size(text: str, option: str = "size", maximum: int | None = None) -> i
     return value
 
 
+def binary_size(count: int) -> str:
+    """`count` bytes in the largest binary unit that divides it exactly (5 MiB, 10,000 bytes)."""
+    return _binary(count)
+
+
 def _binary(count: int) -> str:
     for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if count >= size and count % size == 0:

@@ -8,7 +8,13 @@ the upload is completed only when it matches the source's (the hub's LFS sha256,
 of small files); otherwise it is aborted and the file retried once from scratch.
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
-stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match.
+stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match. Inside a
+file too: each upload is started under a resume token naming the plan's upload of it (object, size, part
+size, source, commit, the source's version of the file), so the next run of the same plan reopens what a
+killed run (kill -9, an evicted pod, a link lost past its retries) left and sends only the parts DEST
+lacks. It still reads every byte of the source, to hash the whole file before completing and to check
+each held part: a part is reused only when the MD5 of the source's bytes matches what DEST holds (see
+storage.base.HeldPart); any other is sent again. Uploads of other plans are discarded, as before.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, cast
 
 from streamctl.checkpoint.files import (
     CONFIG_NAME,
@@ -36,6 +42,7 @@ from streamctl.checkpoint.files import (
 from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
 from streamctl.errors import (
     ChecksFailed,
+    DestinationBusy,
     IntegrityError,
     NotFoundError,
     RemoteError,
@@ -57,6 +64,7 @@ from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage import deadlines
 from streamctl.storage.base import (
+    HeldPart,
     ListingNote,
     Location,
     MiB,
@@ -70,9 +78,12 @@ from streamctl.uploads import (
     ByteBudget,
     Cancelled,
     CopiedFile,
+    check_part_size,
     discard_unfinished_uploads,
     list_dest,
     part_size_for,
+    part_size_note,
+    resume_token,
     write_manifest,
 )
 
@@ -94,6 +105,9 @@ class FilePlan:
     git_sha1: str | None  # small hub files carry only their git blob sha1
     action: Literal["copy", "skip"]
     reason: str
+    # The source's version of the file (its listing's ETag: a hub file's LFS sha256 or git blob id, a bucket
+    # object's ETag, a local file's mtime and size): with the size, what tells a resumable upload's source.
+    source_etag: str | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +181,8 @@ class TransferResult:
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
     removed: tuple[str, ...] = ()  # files of an earlier streamctl run that --force removed (plan.cleanup.to_remove)
     notes: tuple[ListingNote, ...] = ()  # the plan's: SOURCE entries left out or read through a link
+    # Bytes of parts an earlier (killed) run had sent that matched the source: read and hashed, not sent.
+    bytes_resumed: int = 0
 
     @property
     def throughput_mb_s(self) -> float:
@@ -179,6 +195,7 @@ class TransferResult:
             "commit": self.commit,
             "files": [{"path": f.path, "size": f.size, "sha256": f.sha256, "action": f.action} for f in self.files],
             "bytes_copied": self.bytes_copied,
+            "bytes_resumed": self.bytes_resumed,
             "seconds": round(self.seconds, 3),
             "throughput_mb_s": round(self.throughput_mb_s, 2),
             "discarded_uploads": list(self.discarded),
@@ -299,7 +316,7 @@ def _decide(
     file: FilePlan, existing: ObjectInfo | None, source: Location, dest: Location, options: TransferOptions
 ) -> FilePlan:
     def plan(action: Literal["copy", "skip"], reason: str, sha256: str | None = file.sha256) -> FilePlan:
-        return FilePlan(file.path, file.size, sha256, file.git_sha1, action, reason)
+        return replace(file, sha256=sha256, action=action, reason=reason)
 
     if options.force:
         return plan("copy", "--force")
@@ -332,6 +349,16 @@ def _refuse_linked_dest_folders(dest: Location, paths: list[str], dest_notes: Se
                     f"{dest.store.url(dest.key(folder))} is a symbolic link; streamctl never writes through links inside DEST",
                     hint="remove the link, or name the folder it points to as DEST",
                 )
+
+
+def _check_part_limits(dest: Location, files: Sequence[FilePlan], options: TransferOptions) -> None:
+    """Refuse (exit 2, before anything is written) a --part-size DEST takes no parts of, or a file too
+    large for it (see uploads.part_size_for); a file that needs more parts than DEST allows gets larger
+    parts instead, with a note when it is copied."""
+    check_part_size(options.part_size, dest.store)
+    for file in files:
+        if file.action == "copy":
+            part_size_for(file.size, options.part_size, dest.store)
 
 
 def plan_transfer(
@@ -382,11 +409,18 @@ def plan_transfer(
             continue
         info = _with_metadata(source, listing[selection.path])
         candidate = FilePlan(
-            selection.path, info.size, info.metadata.get(SHA256_KEY), info.metadata.get(GIT_SHA1_KEY), "copy", ""
+            selection.path,
+            info.size,
+            info.metadata.get(SHA256_KEY),
+            info.metadata.get(GIT_SHA1_KEY),
+            "copy",
+            "",
+            listing[selection.path].etag,
         )
         files.append(_decide(candidate, existing.get(selection.path), source, dest, options))
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
+    _check_part_limits(dest, files, options)
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
     candidates = [*existing, *unfollowed_links(dest_notes)]
@@ -440,6 +474,17 @@ class _Engine:
     open_uploads: dict[int, MultipartUpload] = field(default_factory=dict)  # by id(): uploads need not be hashable
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_sent: int = 0
+    bytes_reused: int = 0  # parts an earlier run left at DEST that matched the source: not sent again
+    origin: Mapping[str, object] = field(default_factory=dict)  # the plan's source and commit (resume tokens)
+
+    def part_size(self, file: FilePlan) -> int:
+        return part_size_for(file.size, self.options.part_size, self.dest.store)
+
+    def resume_token(self, file: FilePlan) -> str:
+        """The token of `file`'s upload (Store.start_multipart's `resume`): the same for every run that
+        would upload the same source version of it the same way."""
+        identity = {"key": self.dest.key(file.path), "size": file.size, "part_size": self.part_size(file)}
+        return resume_token({**identity, **self.origin, "version": file.source_etag or file.sha256})
 
     def _retry(self, operation: Callable[[], object], what: str) -> object:
         def note(attempt: int, error: RemoteError) -> None:
@@ -463,6 +508,9 @@ class _Engine:
 
     def copy(self, file: FilePlan) -> CopiedFile:
         """Copy one file; a checksum mismatch is retried once from scratch, then fails with exit 5."""
+        note = part_size_note(file.path, file.size, self.options.part_size, self.part_size(file), self.dest.store)
+        if note:
+            self.progress.log(note)
         for attempt in (1, 2):
             task = self.progress.task(file.path, file.size)
             try:
@@ -481,7 +529,7 @@ class _Engine:
 
     def _copy_once(self, file: FilePlan, task: int) -> str:
         store = self.dest.store
-        part_size = part_size_for(file.size, self.options.part_size, store.min_part_size, store.max_parts)
+        part_size = self.part_size(file)
         if file.size <= part_size:
             return self._copy_small(file, task)
         sha256 = file.sha256
@@ -490,35 +538,46 @@ class _Engine:
             sha256 = hash_object(self.source, file.path, file.size, self.options.retry)
         metadata = {SHA256_KEY: sha256, **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {})}
         key = self.dest.key(file.path)
-        upload = self._retry(lambda: store.start_multipart(key, part_size, metadata), f"upload of {file.path}")
-        assert not isinstance(upload, (bytes, type(None)))
+        token = self.resume_token(file)
+        started = self._retry(
+            lambda: store.start_multipart(key, part_size, metadata, None, token), f"upload of {file.path}"
+        )
+        upload = cast(MultipartUpload, started)
         with self.lock:
-            self.open_uploads[id(upload)] = upload  # type: ignore[assignment]
+            self.open_uploads[id(upload)] = upload
+        held_parts = {part.index: part for part in upload.held_parts()}
         chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
         futures: list[Future[None]] = []
+        kept = False
         try:
             for index, start in enumerate(range(0, file.size, part_size)):
                 length = min(part_size, file.size - start)
                 if self.cancelled.is_set():
                     raise Cancelled()
                 held = self.budget.acquire(length, self.cancelled)
-                futures.append(self.parts.submit(self._part, file, upload, chain, index, start, length, held, task))  # type: ignore[arg-type]
+                at_dest = held_parts.get(index)
+                future = self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, at_dest)
+                futures.append(future)
             for future in futures:
                 future.result()
             problem = _mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
-            self._retry(upload.complete, f"completion of {file.path}")  # type: ignore[attr-defined]
+            self._retry(lambda: upload.complete(metadata), f"completion of {file.path}")
             return sha256
-        except BaseException:
+        except BaseException as error:
             chain.fail()
             for future in futures:
                 future.exception()  # wait: every part gives its budget back before we abort
-            self._abort(upload)  # type: ignore[arg-type]
+            # A lost link or a stopped run leaves sound parts: the run decides whether they stay to resume.
+            kept = isinstance(error, (Cancelled, RemoteError))
+            if not kept:
+                self._abort(upload)
             raise
         finally:
-            with self.lock:
-                self.open_uploads.pop(id(upload), None)
+            if not kept:
+                with self.lock:
+                    self.open_uploads.pop(id(upload), None)
 
     def _part(
         self,
@@ -530,16 +589,26 @@ class _Engine:
         length: int,
         held: int,
         task: int,
+        at_dest: HeldPart | None = None,
     ) -> None:
         try:
             if self.cancelled.is_set() or chain.failed:
                 raise Cancelled()
             data = self._read(file.path, start, length)
             chain.feed(index, data, self.cancelled)
+            if at_dest is not None and at_dest.matches(data):
+                self._reused(task, length)  # an earlier run sent these very bytes: read and hashed, not sent
+                return
             self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
             self._sent(task, length)
         finally:
             self.budget.release(held)
+
+    def _reused(self, task: int, amount: int) -> None:
+        with self.lock:
+            self.bytes_reused += amount
+        self.progress.advance(task, amount)
+        self.progress.advance(self.overall_task, amount)
 
     def _copy_small(self, file: FilePlan, task: int) -> str:
         held = self.budget.acquire(max(file.size, 1), self.cancelled)
@@ -568,8 +637,19 @@ class _Engine:
     def abort_all(self) -> None:
         with self.lock:
             uploads = list(self.open_uploads.values())
+            self.open_uploads.clear()
         for upload in uploads:
             self._abort(upload)
+
+    def keep_for_resume(self) -> None:
+        """Leave the open uploads' parts at DEST (a lost link, a lost lease): the next run of the same plan
+        reopens them and sends only what they lack; any other run into DEST discards them."""
+        with self.lock:
+            uploads = list(self.open_uploads.values())
+            self.open_uploads.clear()
+        if uploads:
+            shown = ", ".join(sorted(self.dest.relative(upload.key) for upload in uploads)[:5])
+            self.progress.log(f"left {len(uploads)} unfinished upload(s) for the next run to resume: {shown}")
 
 
 def _write_transfer_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
@@ -612,11 +692,14 @@ def _execute_transfer(
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
     ours = {file.path for file in plan.files} | {MANIFEST_NAME}
-    discarded = discard_unfinished_uploads(dest, ours.__contains__, progress, lease.acquired_at)
     overall = progress.task("total", plan.copy_bytes)
     parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
     files_pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-file")
     engine = _Engine(source, dest, options, progress, overall, ByteBudget(options.max_buffer), parts)
+    engine.origin = {"source": plan.source, "commit": plan.commit}
+    tokens = {file.path: engine.resume_token(file) for file in to_copy}
+    resumable = lambda name, token: tokens.get(name) == token  # noqa: E731
+    discarded = discard_unfinished_uploads(dest, ours.__contains__, progress, lease.acquired_at, resumable)
     lease.on_lost(engine.cancelled.set)  # another run holds DEST now: stop writing at once
     copied: dict[str, CopiedFile] = {}
     try:
@@ -626,11 +709,13 @@ def _execute_transfer(
         for future in futures:
             result = future.result()
             copied[result.path] = result
-    except BaseException:
+    except BaseException as error:
         engine.cancelled.set()
         deadlines.cut_all()  # requests in flight end now (Ctrl-C, or a failed file), not at their deadlines
         files_pool.shutdown(wait=True, cancel_futures=True)
-        engine.abort_all()
+        if isinstance(error, (RemoteError, DestinationBusy)):
+            engine.keep_for_resume()  # the link or the lease was lost, not the will to copy: resume later
+        engine.abort_all()  # Ctrl-C, bad input, bad bytes: nothing is left behind
         raise
     finally:
         files_pool.shutdown(wait=True)
@@ -652,6 +737,7 @@ def _execute_transfer(
         discarded,
         removed,
         plan.notes,
+        engine.bytes_reused,
     )
 
 

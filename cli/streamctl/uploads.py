@@ -13,9 +13,10 @@ from datetime import UTC, datetime
 from typing import Literal
 
 from streamctl import __version__
-from streamctl.errors import NotFoundError, StreamctlError
+from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.storage.base import Location, ObjectInfo
+from streamctl.sizes import binary_size
+from streamctl.storage.base import Location, MiB, ObjectInfo, Store
 
 SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries
 
@@ -58,10 +59,63 @@ class ByteBudget:
             self._condition.notify_all()
 
 
-def part_size_for(size: int, requested: int, min_part_size: int, max_parts: int) -> int:
-    """The requested part size, grown when the store's part-count limit requires it."""
-    part = max(requested, min_part_size, math.ceil(size / max_parts) if size else 1)
-    return part
+_SERVICE_NAMES = {"s3": "S3", "gs": "GCS", "az": "Azure Blob", "file": "a local folder"}
+
+
+def _service(store: Store) -> str:
+    return _SERVICE_NAMES.get(store.scheme, store.scheme)
+
+
+def check_part_size(requested: int, store: Store, option: str = "--part-size") -> None:
+    """UsageError (exit 2) when the destination takes no parts of `requested` bytes, naming its limits."""
+    if requested < store.min_part_size:
+        raise UsageError(
+            f"{option} {binary_size(requested)} is below {_service(store)}'s smallest part, "
+            f"{binary_size(store.min_part_size)} (only the last part of an object may be smaller)",
+            hint=f"pass {option} {binary_size(store.min_part_size)} or more",
+            code="bad-option-value",
+        )
+    if requested > store.max_part_size:
+        raise UsageError(
+            f"{option} {binary_size(requested)} is above {_service(store)}'s largest part, "
+            f"{binary_size(store.max_part_size)}",
+            hint=f"pass {option} {binary_size(store.max_part_size)} or less",
+            code="bad-option-value",
+        )
+
+
+def part_size_for(size: int, requested: int, store: Store) -> int:
+    """The part size for an object of `size` bytes: `requested`, raised to the store's smallest part, and
+    raised (to whole MiB) when `size` would take more parts than the store allows. UsageError when even the
+    largest part cannot fit `size` into that many parts (the object is too large for the store)."""
+    part = max(requested, store.min_part_size)
+    if size > part * store.max_parts:
+        part = math.ceil(size / store.max_parts / MiB) * MiB
+    if part > store.max_part_size and size > store.max_part_size:
+        raise UsageError(
+            f"an object of {size:,} bytes is too large for {_service(store)}: at most {store.max_parts:,} parts "
+            f"of at most {binary_size(store.max_part_size)}",
+            hint="split the file, or choose another destination",
+        )
+    return min(part, max(store.max_part_size, store.min_part_size))
+
+
+def part_size_note(path: str, size: int, requested: int, chosen: int, store: Store) -> str | None:
+    """The progress note when `chosen` differs from `requested` for lack of parts, else None."""
+    if chosen <= max(requested, store.min_part_size):
+        return None
+    return (
+        f"{path}: {size:,} bytes in parts of {binary_size(requested)} would pass {_service(store)}'s limit of "
+        f"{store.max_parts:,} parts; using parts of {binary_size(chosen)}"
+    )
+
+
+def resume_token(fields: Mapping[str, object]) -> str:
+    """The `resume` token (Store.start_multipart) of an upload: 16 hex digits that name all of `fields`
+    (the object, its size, its part size, its sha256, the source it comes from), so only a run that would
+    create the same upload reopens it."""
+    body = json.dumps(dict(fields), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(body).hexdigest()[:16]
 
 
 def list_dest(dest: Location) -> dict[str, ObjectInfo]:
@@ -88,7 +142,11 @@ def write_manifest(dest: Location, name: str, fields: Mapping[str, object], *, s
 
 
 def discard_unfinished_uploads(
-    dest: Location, ours: Callable[[str], bool], progress: Progress, started_before: datetime | None = None
+    dest: Location,
+    ours: Callable[[str], bool],
+    progress: Progress,
+    started_before: datetime | None = None,
+    resumable: Callable[[str, str], bool] = lambda name, token: False,
 ) -> tuple[str, ...]:
     """Discard what killed earlier runs left half-uploaded for the objects this run writes (`ours` tells
     them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
@@ -97,7 +155,9 @@ def discard_unfinished_uploads(
     Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
     upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
     stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
-    store gives no date for are discarded (under the lease, no live run can own them).
+    store gives no date for are discarded (under the lease, no live run can own them). One that this run
+    would start again (`resumable(name, token)` for its `resume` token, see Store.start_multipart) is kept:
+    the run reopens it and sends only the parts it lacks.
 
     Best effort: credentials that may write but not list or abort uploads (no s3:ListBucketMultipartUploads,
     say) are common and enough for the run itself, so a refusal here is reported, never fatal.
@@ -112,6 +172,8 @@ def discard_unfinished_uploads(
     for upload in unfinished:
         name = dest.relative(upload.key)
         if not ours(name):
+            continue
+        if upload.resume is not None and resumable(name, upload.resume):
             continue
         if started_before is not None and upload.started is not None and upload.started >= started_before:
             recent += 1

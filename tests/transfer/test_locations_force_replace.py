@@ -90,8 +90,10 @@ class FailingParts:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
 
         class Upload:
             def __getattr__(self, name: str) -> Any:

@@ -139,8 +139,9 @@ def test_source_resolution_and_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert parse_size("1GB") == 10**9
     with pytest.raises(UsageError):
         parse_size("12 parsecs")
-    assert part_size_for(100 * MiB, 5 * MiB, 5 * MiB, 10_000) == 5 * MiB
-    assert part_size_for(100_000 * MiB, 5 * MiB, 5 * MiB, 10_000) == 10 * MiB  # grown to fit 10,000 parts
+    s3 = open_location("s3://bucket/prefix").store  # S3's limits: parts of 5 MiB and up, 10,000 of them
+    assert part_size_for(100 * MiB, 5 * MiB, s3) == 5 * MiB
+    assert part_size_for(100_000 * MiB, 5 * MiB, s3) == 10 * MiB  # grown to fit 10,000 parts
 
 
 def test_max_buffer_smaller_than_part_is_refused() -> None:

@@ -55,7 +55,7 @@ class PartStream:
         store = location.store
         self.name = name
         self.size = size
-        self.part_size = part_size_for(size, chunk, store.min_part_size, store.max_parts)
+        self.part_size = part_size_for(size, chunk, store)
         self.policy = policy
         key = location.key(name)
         self.upload: MultipartUpload = with_retries(partial(store.start_multipart, key, self.part_size), policy)

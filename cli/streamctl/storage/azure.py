@@ -9,7 +9,9 @@ through azure.identity.DefaultAzureCredential (`az login`, managed identity, wor
 Multipart uploads stage blocks (`stage_block`, any order, any thread) and commit the block list in index
 order. Abort needs no request: staged but uncommitted blocks are never readable or listed, the next commit
 of the same blob discards every block not in its list, and Azure deletes the rest after a week. Block ids
-carry a per-upload nonce, so two uploads racing for one name never commit each other's blocks.
+carry a per-upload nonce, so two uploads racing for one name never commit each other's blocks, and the CRC32
+of the block's bytes (see storage.base.part_digest): Get Block List then says what each staged block holds,
+and an upload reopened under its nonce (a `resume` token) reuses only the blocks that match the source.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import builtins
 import os
 import re
 import threading
-import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -36,7 +37,16 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, Co
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
+from streamctl.storage.base import (
+    HeldPart,
+    MiB,
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    content_type_for,
+    new_temporary_token,
+    part_digest,
+)
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -277,9 +287,20 @@ def shared_default_credential() -> OnceCredential:
         return _credential
 
 
-def block_id(nonce: str, index: int) -> str:
-    """Block ids of one blob must all have the same length; this one always encodes 17 characters."""
-    return base64.b64encode(f"{nonce}-{index:08d}".encode()).decode()
+def block_id(nonce: str, index: int, crc32: str) -> str:
+    """Block ids of one blob must all have the same length, at most 64 bytes before the SDK base64-encodes
+    them; this one is always 34: the upload's 16-hex-digit nonce, the part index and the hex CRC32 of the
+    block's bytes."""
+    return f"{nonce}-{index:08d}-{crc32}"
+
+
+_BLOCK_ID = re.compile(r"([0-9a-f]{16})-(\d{8})-([0-9a-f]{8})")
+
+
+def parse_block_id(block: str) -> tuple[str, int, str] | None:
+    """(nonce, index, crc32) of a block id block_id() made (as Get Block List gives it back); None for others."""
+    match = _BLOCK_ID.fullmatch(block)
+    return (match.group(1), int(match.group(2)), match.group(3)) if match else None
 
 
 def _check_metadata(metadata: Mapping[str, str], url: str) -> dict[str, str]:
@@ -301,25 +322,43 @@ class AzureMultipartUpload:
     nonce: str
     metadata: dict[str, str]
     content_type: str
-    _sizes: dict[int, int] = field(default_factory=dict)
+    _blocks: dict[int, tuple[str, int]] = field(default_factory=dict)  # index: (block id, size)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completed" or "aborted"
+    _held: list[HeldPart] = field(default_factory=list)
 
     def upload_part(self, index: int, data: bytes) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
+        block = block_id(self.nonce, index, part_digest("crc32", data))
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
-            self.store._call(
-                self.key, lambda: blob.stage_block(block_id(self.nonce, index), data, length=len(data)), len(data)
-            )
+            self.store._call(self.key, lambda: blob.stage_block(block, data, length=len(data)), len(data))
         with self._lock:
-            self._sizes[index] = len(data)
+            self._blocks[index] = (block, len(data))
+
+    def held_parts(self) -> list[HeldPart]:
+        return list(self._held)
+
+    def _find_held_blocks(self) -> None:
+        """The blocks an earlier run staged under this upload's nonce and never committed (a reopened upload)."""
+        with self.store._guard(Op.WRITE, self.key):
+            blob = self.store._blob(self.key)
+            try:
+                _, uncommitted = self.store._call(self.key, lambda: blob.get_block_list("uncommitted"))
+            except aexc.ResourceNotFoundError:
+                return  # no blob, no blocks: nothing was staged
+        for block in uncommitted:
+            parsed = parse_block_id(block.id)
+            if parsed is not None and parsed[0] == self.nonce and parsed[1] not in self._blocks:
+                self._blocks[parsed[1]] = (block.id, int(block.size))
+                self._held.append(HeldPart(parsed[1], int(block.size), parsed[2], "crc32"))
 
     def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
         with self._lock:
             if self._state != "open":
                 raise UsageError(f"upload of {self.store.url(self.key)} is already {self._state}")
-            sizes = dict(self._sizes)
+            blocks = dict(self._blocks)
+        sizes = {index: size for index, (_, size) in blocks.items()}
         if metadata:
             self.metadata = {**self.metadata, **_check_metadata(metadata, self.store.url(self.key))}
         indices = sorted(sizes)
@@ -329,7 +368,7 @@ class AzureMultipartUpload:
             response = self.store._call(
                 self.key,
                 lambda: blob.commit_block_list(
-                    [BlobBlock(block_id=block_id(self.nonce, index)) for index in indices],
+                    [BlobBlock(block_id=blocks[index][0]) for index in indices],
                     metadata=self.metadata,
                     content_settings=ContentSettings(content_type=self.content_type),
                 ),
@@ -359,7 +398,7 @@ class AzureStore(_errors.CloudRequests):
     scheme: str = "az"
     min_part_size: int = 1
     max_parts: int = 50_000
-    max_block_size: int = 4000 * MiB  # largest block Azure accepts
+    max_part_size: int = 4000 * MiB  # largest block Azure accepts
     page_size: int | None = None  # blobs per listing request; None: the service default (5000)
     _container_instance: ContainerClient | None = field(default=None, repr=False)
     _client_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -463,14 +502,22 @@ class AzureStore(_errors.CloudRequests):
         return ObjectInfo(key, len(data), strip_etag(response.get("etag")), metadata)
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
     ) -> AzureMultipartUpload:
-        if part_size > self.max_block_size:
-            raise UsageError(f"part size {part_size} exceeds Azure's block limit of {self.max_block_size}")
+        if part_size > self.max_part_size:
+            raise UsageError(f"part size {part_size} exceeds Azure's block limit of {self.max_part_size}")
         metadata = _check_metadata(metadata or {}, self.url(key))
-        return AzureMultipartUpload(
-            self, key, part_size, uuid.uuid4().hex[:8], metadata, content_type or content_type_for(key)
+        upload = AzureMultipartUpload(
+            self, key, part_size, resume or new_temporary_token(), metadata, content_type or content_type_for(key)
         )
+        if resume is not None:
+            upload._find_held_blocks()
+        return upload
 
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
@@ -502,7 +549,22 @@ class AzureStore(_errors.CloudRequests):
                 )
                 if name not in committed
             ]
-        return [UnfinishedUpload(name, None, partial(self.delete, name), started) for name, started in staged]
+        return [
+            UnfinishedUpload(name, None, partial(self.delete, name), started, self._staging_nonce(name))
+            for name, started in staged
+        ]
+
+    def _staging_nonce(self, key: str) -> str | None:
+        """The nonce (a `resume` token) of the upload whose blocks `key` holds uncommitted, where one
+        upload's blocks are all there is; None when they are not block_id()'s or of several uploads."""
+        with self._guard(Op.LIST, key):
+            blob = self._blob(key)
+            try:
+                _, uncommitted = self._call(key, lambda: blob.get_block_list("uncommitted"))
+            except aexc.ResourceNotFoundError:
+                return None
+        nonces = {parsed[0] if parsed else None for parsed in (parse_block_id(block.id) for block in uncommitted)}
+        return nonces.pop() if len(nonces) == 1 else None
 
     @contextmanager
     def _conditional(self, key: str, op: Op) -> Iterator[None]:

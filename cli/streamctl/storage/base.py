@@ -8,10 +8,12 @@ the store's root folder, with `/` separators). Backends translate every SDK exce
 from __future__ import annotations
 
 import builtins
+import hashlib
 import mimetypes
 import os
 import posixpath
 import re
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -23,13 +25,14 @@ MiB = 1024 * 1024
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
 LEASE_NAME = ".streamctl-lease"
 
-# Temporary names, one form for every backend that makes them (local files, GCS part objects): the bytes
-# of an upload of `DIR/NAME` live under `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds
-# `/PART`), TOKEN being 16 random hex digits. The final name stays one whole path segment of its own, so
-# any name that fits the destination also fits as a temporary name (a 250-byte name is 250 bytes there
-# too), and the name a killed upload was meant to get is read back from the path, no side record needed.
-# Only that exact shape is temporary: `list()` hides it and `unfinished_uploads()` discards it; anything
-# else (a source's `.NAME.HEX.streamctl-partial`, a plain `.streamctl-tmp/notes.txt`) is data.
+# Temporary names, one form for every backend that makes them (local files, GCS part objects, the record
+# of an S3 multipart upload started with a resume token): the bytes of an upload of `DIR/NAME` live under
+# `DIR/.streamctl-tmp/TOKEN/NAME` (a file locally; GCS adds `/PART`), TOKEN being 16 hex digits: random, or
+# the upload's resume token (Store.start_multipart). The final name stays one whole path segment of its
+# own, so any name that fits the destination also fits as a temporary name (a 250-byte name is 250 bytes
+# there too), and the name a killed upload was meant to get is read back from the path, no side record
+# needed. Only that exact shape is temporary: `list()` hides it and `unfinished_uploads()` discards it;
+# anything else (a source's `.NAME.HEX.streamctl-partial`, a plain `.streamctl-tmp/notes.txt`) is data.
 TEMPORARY_FOLDER = ".streamctl-tmp"
 _TOKEN = re.compile(r"[0-9a-f]{16}")
 
@@ -132,6 +135,32 @@ class ObjectInfo:
     metadata: Mapping[str, str] = field(default_factory=dict)
 
 
+def part_digest(algorithm: str, data: bytes | memoryview) -> str:
+    """The hex digest of a part's bytes: "md5" (what S3 and GCS compute of every part they receive, so it
+    costs the writer nothing) or "crc32" (what a writer records itself, as in Azure block ids: ~7 GB/s
+    against MD5's ~0.9 on one core, and only accidental differences need catching here)."""
+    if algorithm == "crc32":
+        return f"{zlib.crc32(data):08x}"
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+@dataclass(frozen=True)
+class HeldPart:
+    """A part an unfinished upload already holds at the destination (see Store.start_multipart's `resume`):
+    its size and a digest of its bytes as the store records them (S3 part ETag and GCS md5Hash: the MD5 the
+    service computed of what it received; the CRC32 in an Azure block id; the bytes of a local partial file
+    read back)."""
+
+    index: int
+    size: int
+    digest: str  # hex, of `algorithm`
+    algorithm: str = "md5"  # see part_digest
+
+    def matches(self, data: bytes | memoryview) -> bool:
+        """Whether these are the bytes the destination holds: only then may the part be reused."""
+        return len(data) == self.size and part_digest(self.algorithm, data) == self.digest
+
+
 # Writes bytes at any offset of an upload's object: `write(offset, data)` (see MultipartUpload.positional_writer).
 PositionalWrite = Callable[[int, "bytes | memoryview"], None]
 
@@ -158,6 +187,12 @@ class MultipartUpload(Protocol):
         """Discard every part sent; safe to call twice or after a failure."""
         ...
 
+    def held_parts(self) -> builtins.list[HeldPart]:
+        """The parts the destination already holds for this upload: none for a new upload, those an earlier
+        run sent for one reopened through `resume`. Each still counts as sent: `complete()` includes it
+        unless `upload_part` sends that index again."""
+        ...
+
     def positional_writer(self) -> PositionalWrite | None:
         """A capability: where the object can be written at any offset (a local file), the function that
         does, which spares a writer streaming in order the copy that assembling parts takes; None where
@@ -176,6 +211,9 @@ class UnfinishedUpload:
     # When the upload began, by the store's clock (S3 Initiated, GCS timeCreated of its first part, Azure
     # creation time, local mtime), timezone-aware; None where the store does not say.
     started: datetime | None = None
+    # The `resume` token it was started with (Store.start_multipart), where the store can tell: a run
+    # that would start it again with that token reopens it instead of discarding it.
+    resume: str | None = None
 
 
 class Store(Protocol):
@@ -184,8 +222,10 @@ class Store(Protocol):
 
     scheme: str
     bucket: str
-    # Smallest part size a multipart upload accepts (except the last part), and the most parts.
+    # Smallest part size a multipart upload accepts (except the last part), the largest, and the most
+    # parts (see PartLimits, which every writer sizes its parts by).
     min_part_size: int
+    max_part_size: int
     max_parts: int
 
     def url(self, key: str) -> str:
@@ -213,8 +253,19 @@ class Store(Protocol):
         ...
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
-    ) -> MultipartUpload: ...
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
+    ) -> MultipartUpload:
+        """A new upload, or with `resume` (16 hex digits that name everything the upload will be: object,
+        size, part size, metadata) the unfinished upload of `key` an earlier run started with the same
+        token, reopened with the parts it holds (`held_parts()`); a new one under that token when none is
+        left. The caller makes the token: the store takes it as the promise that metadata and part size
+        are what they were."""
+        ...
 
     def delete(self, key: str) -> None:
         """Remove one object; a missing object is not an error."""

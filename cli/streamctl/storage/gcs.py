@@ -15,6 +15,7 @@ upload in flight (or one left behind by a crash) never shows up as data, and no 
 
 from __future__ import annotations
 
+import base64
 import builtins
 import itertools
 import os
@@ -40,6 +41,7 @@ from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, Us
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line
 from streamctl.storage.base import (
+    HeldPart,
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,
@@ -172,6 +174,19 @@ class GCSMultipartUpload:
     _cleaned: bool = False  # an abort deleted every temporary object
     # Temporary objects that could not be deleted after a successful complete (best effort; hidden anyway).
     leftovers: list[str] = field(default_factory=list)
+    _held: list[HeldPart] = field(default_factory=list)
+
+    def held_parts(self) -> list[HeldPart]:
+        return list(self._held)
+
+    def _find_held_parts(self) -> None:
+        """The part objects an earlier run of this upload left (a reopened upload), with GCS's MD5 of each."""
+        for blob in self.store._list_raw(self.temporary_prefix, Op.WRITE):
+            tail = blob.name[len(self.temporary_prefix) :]
+            if len(tail) == 5 and tail.isdigit() and blob.md5_hash:
+                index = int(tail)
+                self._held.append(HeldPart(index, int(blob.size or 0), base64.b64decode(blob.md5_hash).hex()))
+                self._sizes[index] = int(blob.size or 0)
 
     @property
     def temporary_prefix(self) -> str:
@@ -260,6 +275,7 @@ class GCSStore(_errors.CloudRequests):
     scheme: str = "gs"
     # Compose accepts sources of any size; parts are plain objects.
     min_part_size: int = 1
+    max_part_size: int = 5 * 1024**4  # the largest object
     # A composite object may hold at most 1024 components (Cloud Storage documentation).
     max_parts: int = 1024
     page_size: int | None = None  # objects per listing request; None: the service default (1000)
@@ -407,12 +423,22 @@ class GCSStore(_errors.CloudRequests):
         return self._info(key, blob)
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
     ) -> GCSMultipartUpload:
         # Nothing to create on the server: parts are independent objects until complete() composes them.
-        return GCSMultipartUpload(
-            self, key, part_size, new_temporary_token(), lower_keys(metadata), content_type or content_type_for(key)
+        # Under a `resume` token, the part objects an earlier run left under that token are the upload's.
+        token = resume or new_temporary_token()
+        upload = GCSMultipartUpload(
+            self, key, part_size, token, lower_keys(metadata), content_type or content_type_for(key)
         )
+        if resume is not None:
+            upload._find_held_parts()
+        return upload
 
     def delete(self, key: str) -> None:
         with self._guard(Op.DELETE, key):
@@ -441,6 +467,7 @@ class GCSStore(_errors.CloudRequests):
                 size,
                 GCSMultipartUpload(self, key, 0, upload_id, {}, _PART_CONTENT_TYPE).abort,
                 started.get((key, upload_id)),
+                upload_id,
             )
             for (key, upload_id), size in sorted(stored.items())
         ]

@@ -103,6 +103,7 @@ class HfStore:
     retry_wait: float = 1.0  # first back-off between attempts, doubled each time (tests lower it)
     scheme: str = "hf"
     min_part_size: int = 1  # never written to; present for the Store protocol
+    max_part_size: int = 1
     max_parts: int = 1
     _api: HfApi = field(init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -304,7 +305,12 @@ class HfStore:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
     ) -> NoReturn:
         raise UsageError(READ_ONLY, hint="use an hf:// URL only as the source of a transfer")
 

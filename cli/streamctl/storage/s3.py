@@ -3,11 +3,18 @@
 Credentials come from boto3's own chain only (env, profiles, SSO, instance roles). The endpoint comes from
 `StorageOptions.endpoint_url`, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (passed explicitly so that it also
 works with boto3 versions that do not read them). Multipart uploads are native S3 multipart uploads.
+
+An upload started with a `resume` token (Store.start_multipart) also writes a small object, its record, under
+the one temporary form of storage/base.py (`DIR/.streamctl-tmp/TOKEN/NAME`, hidden from `list()`): the
+upload id and the metadata it was created with, which S3 has no request to read back. A later run with the
+same token reads the record, asks ListParts what the upload holds (size and ETag, the MD5 of each part's
+bytes as S3 received them) and reopens it; the record goes when the upload completes or is aborted.
 """
 
 from __future__ import annotations
 
 import builtins
+import json
 import os
 import threading
 from collections.abc import Iterator, Mapping
@@ -20,10 +27,20 @@ import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
 
-from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
+from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
+from streamctl.storage.base import (
+    TEMPORARY_FOLDER,
+    HeldPart,
+    MiB,
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    content_type_for,
+    parse_temporary_key,
+    temporary_key,
+)
 from streamctl.storage.url import ParsedURL
 
 MAX_COPY_OBJECT_BYTES = 5 * 1024**3  # CopyObject's limit; larger objects are copied in parts
@@ -172,6 +189,41 @@ class S3MultipartUpload:
     _parts: dict[int, tuple[dict[str, Any], int]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "aborting", "completed" or "aborted"
+    record_key: str | None = None  # the upload's record, for uploads started with a `resume` token
+    _held: list[HeldPart] = field(default_factory=list)
+
+    def held_parts(self) -> list[HeldPart]:
+        return list(self._held)
+
+    def _find_held_parts(self) -> bool:
+        """Load the parts S3 holds for this upload (ListParts); False when the upload is gone."""
+        try:
+            with self.store._guard(Op.WRITE, self.key):
+                paginator = self.store._client.get_paginator("list_parts")
+                pages = self.store._call(
+                    self.key,
+                    lambda: list(paginator.paginate(Bucket=self.store.bucket, Key=self.key, UploadId=self.upload_id)),
+                )
+        except StreamctlError as error:
+            if _is_no_such_upload(error):
+                return False
+            raise
+        for page in pages:
+            self.checksum_algorithm = page.get("ChecksumAlgorithm") or self.checksum_algorithm
+            for item in page.get("Parts", ()):
+                index = int(item["PartNumber"]) - 1
+                part = {"PartNumber": item["PartNumber"], "ETag": item["ETag"]}
+                part.update({name: value for name, value in item.items() if name.startswith("Checksum")})
+                self._parts[index] = (part, int(item["Size"]))
+                self._held.append(HeldPart(index, int(item["Size"]), strip_etag(item["ETag"]) or ""))
+        return True
+
+    def _drop_record(self) -> None:
+        if self.record_key is not None:
+            try:
+                self.store.delete(self.record_key)
+            except StreamctlError:
+                pass  # hidden from listings; the next upload under the token replaces it
 
     def _request(self, method: str, expected_bytes: int = 0, **arguments: Any) -> Any:
         """One request about this upload (Bucket, Key and UploadId filled in) under the store's guard."""
@@ -213,6 +265,7 @@ class S3MultipartUpload:
             info = self.store.put(self.key, b"", self.metadata, self.content_type)
             with self._lock:
                 self._state = "completed"
+            self._drop_record()
             return info
         size = sum(length for _, length in parts.values())
         # S3 may take minutes to assemble a large object (it sends whitespace meanwhile): scale by size.
@@ -222,6 +275,7 @@ class S3MultipartUpload:
         with self._lock:
             self._state = "completed"
         etag = strip_etag(response.get("ETag"))
+        self._drop_record()
         if late:
             # S3 fixes user metadata when the upload is created: metadata known only now takes a server-side
             # copy onto the same key (no bytes through this machine).
@@ -247,6 +301,11 @@ class S3MultipartUpload:
                 raise
         with self._lock:
             self._state = "aborted"
+        self._drop_record()
+
+
+def _all_pages(paginator: Any, **arguments: Any) -> builtins.list[dict[str, Any]]:
+    return list(paginator.paginate(**arguments))
 
 
 def _is_no_such_upload(error: StreamctlError) -> bool:
@@ -261,6 +320,7 @@ class S3Store(_errors.CloudRequests):
     settings: S3Settings
     scheme: str = "s3"
     min_part_size: int = 5 * MiB
+    max_part_size: int = 5 * 1024 * MiB
     max_parts: int = 10_000
     page_size: int | None = None  # keys per listing request; None: the service default (1000)
     _client_instance: Any = field(default=None, repr=False)
@@ -315,7 +375,8 @@ class S3Store(_errors.CloudRequests):
                 items, lambda item: item["Key"], url=self.url(prefix), attempts=self.settings.max_attempts
             )
             for item in listing:
-                yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
+                if parse_temporary_key(item["Key"]) is None:  # an upload's record is not data
+                    yield ObjectInfo(item["Key"], int(item["Size"]), strip_etag(item.get("ETag")), {})
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):
@@ -423,10 +484,48 @@ class S3Store(_errors.CloudRequests):
             return strip_etag(response.get("ETag"))
 
     def start_multipart(
-        self, key: str, part_size: int, metadata: Mapping[str, str] | None = None, content_type: str | None = None
+        self,
+        key: str,
+        part_size: int,
+        metadata: Mapping[str, str] | None = None,
+        content_type: str | None = None,
+        resume: str | None = None,
     ) -> S3MultipartUpload:
         metadata = lower_keys(metadata)
         content_type = content_type or content_type_for(key)
+        if resume is None:
+            return self._create_upload(key, part_size, metadata, content_type)
+        record_key = temporary_key(key, resume)
+        record = self._read_record(record_key)
+        if record is not None:
+            upload_id, created_with = record
+            upload = S3MultipartUpload(self, key, part_size, upload_id, created_with, None, content_type)
+            upload.record_key = record_key
+            if upload._find_held_parts():
+                return upload
+        upload = self._create_upload(key, part_size, metadata, content_type)
+        body = json.dumps({"upload_id": upload.upload_id, "metadata": metadata}).encode()
+        try:
+            self.put(record_key, body, {}, "application/json")
+        except BaseException:
+            upload.abort()
+            raise
+        upload.record_key = record_key
+        return upload
+
+    def _read_record(self, record_key: str) -> tuple[str, dict[str, str]] | None:
+        """(upload id, metadata it was created with) of an upload's record; None when there is none."""
+        try:
+            document = json.loads(self.read_range(record_key, 0, 64 * 1024))
+            return str(document["upload_id"]), {str(k): str(v) for k, v in dict(document["metadata"]).items()}
+        except NotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None  # not a record this version wrote: start afresh (the new one replaces it)
+
+    def _create_upload(
+        self, key: str, part_size: int, metadata: dict[str, str], content_type: str
+    ) -> S3MultipartUpload:
         with self._guard(Op.WRITE, key):
             # Like boto3's upload_file: CRC32 per part unless checksums are off (AWS_REQUEST_CHECKSUM_CALCULATION
             # =when_required, for S3-compatible services that reject them).
@@ -463,11 +562,29 @@ class S3Store(_errors.CloudRequests):
         with self._guard(Op.LIST, prefix):
             paginator = self._client.get_paginator("list_multipart_uploads")
             pages = self._call(prefix, lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=prefix)))
-            for page in pages:
-                for item in page.get("Uploads", ()):
-                    upload = S3MultipartUpload(self, item["Key"], 0, item["UploadId"], {})
-                    unfinished.append(UnfinishedUpload(item["Key"], None, upload.abort, item.get("Initiated")))
+            items = [item for page in pages for item in page.get("Uploads", ())]
+        records = self._records_of(item["Key"] for item in items)
+        for item in items:
+            token, record_key = records.get(item["UploadId"], (None, None))
+            upload = S3MultipartUpload(self, item["Key"], 0, item["UploadId"], {}, record_key=record_key)
+            unfinished.append(UnfinishedUpload(item["Key"], None, upload.abort, item.get("Initiated"), token))
         return unfinished
+
+    def _records_of(self, keys: Iterator[str]) -> dict[str, tuple[str, str]]:
+        """upload id: (resume token, record key) of the records in the temporary folders beside `keys`."""
+        parents = {key.rpartition("/")[0] for key in keys}
+        folders = sorted(f"{parent}/{TEMPORARY_FOLDER}/" if parent else f"{TEMPORARY_FOLDER}/" for parent in parents)
+        records: dict[str, tuple[str, str]] = {}
+        for folder in folders:
+            with self._guard(Op.LIST, folder):
+                paginator = self._client.get_paginator("list_objects_v2")
+                pages = self._call(folder, partial(_all_pages, paginator, Bucket=self.bucket, Prefix=folder))
+            for item in (item for page in pages for item in page.get("Contents", ())):
+                temporary = parse_temporary_key(item["Key"])
+                record = self._read_record(item["Key"]) if temporary is not None else None
+                if temporary is not None and record is not None:
+                    records[record[0]] = (temporary.token, item["Key"])
+        return records
 
     @contextmanager
     def _conditional(self, key: str, op: Op) -> Iterator[None]:
