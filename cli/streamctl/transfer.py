@@ -54,6 +54,7 @@ from streamctl.ownership import (
 )
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
+from streamctl.shares import Share, ShareRecord, Worker, record_share, split_shares, take_share
 from streamctl.storage import deadlines
 from streamctl.storage.base import (
     ListingNote,
@@ -106,6 +107,8 @@ class TransferPlan:
     cleanup: Cleanup = field(default_factory=Cleanup)
     # Entries of a local SOURCE left out (FIFOs, devices, links not followed) or read through a link.
     notes: tuple[ListingNote, ...] = ()
+    # `--worker K/N`: `files` are this worker's share of the plan (streamctl.shares), `share` says of which.
+    share: Share | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -128,6 +131,7 @@ class TransferPlan:
             "to_remove": list(self.cleanup.to_remove),
             "left_alone": [item.to_json() for item in self.cleanup.left_alone],
             **notes_to_json(self.notes),
+            "worker": self.share.to_json() if self.share else None,
             "total_bytes": self.total_bytes,
             "copy_bytes": self.copy_bytes,
         }
@@ -143,6 +147,7 @@ class TransferOptions:
     max_buffer: int = DEFAULT_MAX_BUFFER
     force: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    worker: Worker | None = None  # `--worker K/N`: copy share K of N (streamctl.shares)
 
     def validate(self) -> None:
         check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
@@ -166,6 +171,7 @@ class TransferResult:
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first (see discard_unfinished_uploads)
     removed: tuple[str, ...] = ()  # files of an earlier streamctl run that --force removed (plan.cleanup.to_remove)
     notes: tuple[ListingNote, ...] = ()  # the plan's: SOURCE entries left out or read through a link
+    share: ShareRecord | None = None  # `--worker`: the shares finished once this one went into the manifest
 
     @property
     def throughput_mb_s(self) -> float:
@@ -183,6 +189,7 @@ class TransferResult:
             "discarded_uploads": list(self.discarded),
             "removed": list(self.removed),
             **notes_to_json(self.notes),
+            "worker": self.share.to_json() if self.share else None,
         }
 
 
@@ -391,7 +398,17 @@ def plan_transfer(
     candidates = [*existing, *unfollowed_links(dest_notes)]
     written_before = written_by_streamctl(manifests, candidates)
     cleanup = plan_cleanup(candidates, writes, written_before, lambda name: False, options.force)
-    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
+    plan = TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
+    return _worker_share(plan, options.worker) if options.worker else plan
+
+
+def _worker_share(plan: TransferPlan, worker: Worker) -> TransferPlan:
+    """The plan cut to this worker's share; what the share is split from is every planned file, copied or
+    skipped, so all workers compute the same split whatever DEST holds by now."""
+    sized = [(file.path, file.size) for file in plan.files]
+    mine = set(split_shares(sized, worker.count)[worker.index])
+    share = take_share(plan.source, plan.commit, sized, worker)
+    return replace(plan, files=tuple(file for file in plan.files if file.path in mine), share=share)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -571,15 +588,39 @@ class _Engine:
             self._abort(upload)
 
 
-def _write_transfer_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
-    fields = {
+def _manifest_fields(plan: TransferPlan, files: tuple[CopiedFile, ...]) -> dict[str, object]:
+    return {
         "source": plan.source,
         "commit": plan.commit,
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
         # Files earlier streamctl runs wrote here that this one left (no --force): a later --force removes them.
         "older_files": list(plan.cleanup.older_files),
     }
-    write_manifest(dest, MANIFEST_NAME, fields)
+
+
+def _finish(
+    dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...], progress: Progress, lease: Lease
+) -> tuple[tuple[str, ...], ShareRecord | None]:
+    """Remove what --force replaces, then write the manifest (a worker: merge its share into it, and only the
+    one completing it removes). What was removed, and for a worker the shares finished."""
+    if plan.share is None:
+        gone = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
+        lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
+        write_manifest(dest, MANIFEST_NAME, _manifest_fields(plan, files))
+        return gone, None
+    removed: tuple[str, ...] = ()
+
+    def remove_replaced() -> None:  # the files of every share are complete now
+        nonlocal removed
+        removed = remove_files(dest, plan.cleanup.to_remove, progress)
+
+    fields = {**_manifest_fields(plan, files), "plan_order": plan.share.planned}
+    lease.ensure_held()
+    record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
+                          remove_replaced, lease.guard_commit)  # fmt: skip
+    if not record.complete:
+        progress.log(f"worker {plan.share.worker}: share recorded; {len(record.finished)} of {record.count} done")
+    return removed, record
 
 
 def execute_transfer(
@@ -595,7 +636,9 @@ def execute_transfer(
     The whole write phase holds DEST's lease (DestinationBusy, exit 7, while another run writes there)."""
     options.validate()
     check_disjoint(source, dest)  # again: a plan may come from elsewhere, and nothing is written yet
-    with hold_lease(dest, f"streamctl transfer {plan.source}", progress) as lease:
+    worker = plan.share.worker if plan.share else None
+    command = f"streamctl transfer {plan.source}" + (f" --worker {worker}" if worker else "")
+    with hold_lease(dest, command, progress, worker=worker) as lease:
         dest = lease.fenced(dest)
         if not options.force:
             # Planning ran before the lease: another run may have finished writing here since.
@@ -610,7 +653,8 @@ def _execute_transfer(
 ) -> TransferResult:
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
-    ours = {file.path for file in plan.files} | {MANIFEST_NAME}
+    # A worker's are its own share's files: the other workers' uploads in flight are theirs.
+    ours = {file.path for file in plan.files} | ({MANIFEST_NAME} if plan.share is None else set())
     discarded = discard_unfinished_uploads(dest, ours.__contains__, progress, lease.acquired_at)
     overall = progress.task("total", plan.copy_bytes)
     parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
@@ -638,9 +682,7 @@ def _execute_transfer(
     results = tuple(
         copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
     )
-    removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
-    lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
-    _write_transfer_manifest(dest, plan, results)
+    removed, share = _finish(dest, plan, results, progress, lease)
     return TransferResult(
         plan.source,
         plan.dest,
@@ -651,6 +693,7 @@ def _execute_transfer(
         discarded,
         removed,
         plan.notes,
+        share,
     )
 
 
@@ -697,7 +740,9 @@ def run_transfer(
     on_plan(plan)
     result = execute_transfer(plan, source, dest, options, progress)
     report = None
-    if verify and any(file.path.endswith(".safetensors") for file in plan.files):
+    whole = result.share is None or result.share.complete  # a worker's share alone is not a checkpoint
+    planned = plan.share.planned if plan.share else tuple(file.path for file in plan.files)
+    if verify and whole and any(path.endswith(".safetensors") for path in planned):
         report = verify_checkpoint(dest)
     run = TransferRun(result, report)
     if report is not None and not report.ok:
