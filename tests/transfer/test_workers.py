@@ -256,3 +256,37 @@ def test_shares_go_largest_first_into_the_least_loaded_share_ties_by_name() -> N
     files = [("d", 1), ("a", 5), ("c", 3), ("b", 5), ("e", 3)]
     # a(5) -> 0, b(5) -> 1 (ties by name), c(3) -> 2, e(3) -> 2 (3 < 5), d(1) -> 0 (5 = 5: the lowest index).
     assert split_shares(files, 3) == (("a", "d"), ("b",), ("c", "e"))
+
+
+@pytest.mark.parametrize("root", ["local_root", "s3_root", "gs_root", "az_root"])
+def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
+    root: str, request: pytest.FixtureRequest
+) -> None:
+    """The conditional create/replace of storage.base: of racing workers each one's share goes in once, and
+    exactly one of them sees the manifest complete (that one removes what --force replaces)."""
+    from streamctl.shares import Worker, record_share
+
+    dest = open_location(request.getfixturevalue(root))
+    count = 6
+    order = tuple(f"file-{index}" for index in range(count))
+    completions: list[int] = []
+    barrier = threading.Barrier(count)
+
+    def record(index: int) -> None:
+        fields = {
+            "source": "hf://org/race", "commit": None, "older_files": [], "plan_order": order,
+            "files": [{"path": order[index], "size": index, "sha256": "0" * 64}],
+        }  # fmt: skip
+        barrier.wait()
+        record_share(dest, MANIFEST_NAME, fields, Worker(index, count), "d" * 32, lambda: completions.append(index))
+
+    threads = [threading.Thread(target=record, args=(index,)) for index in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    stored, _ = dest.store.read_versioned(dest.key(MANIFEST_NAME))
+    manifest = json.loads(stored)
+    assert manifest["complete"] is True and manifest["workers"]["finished"] == list(range(count))
+    assert [item["path"] for item in manifest["files"]] == list(order)
+    assert len(set(completions)) == 1  # one worker completed it (it may have retried its write)
