@@ -444,6 +444,9 @@ def render_transfer_result(result: TransferResult) -> None:
             if result.share.complete
             else f"{finished:,} of {count:,} worker shares finished (the last one completes the manifest)"
         )
+        if result.share.restarted:
+            phrases[-1] += ";"
+            phrases.append("the manifest had recorded the shares of another split or plan: they start again")
     print_phrases(stdout(), phrases, separator=" ")
 
 

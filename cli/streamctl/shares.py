@@ -115,13 +115,20 @@ class ShareRecord:
 
     finished: tuple[int, ...]
     count: int
+    # The manifest recorded the shares of another split or plan (other files, revision or count): dropped.
+    restarted: bool = False
 
     @property
     def complete(self) -> bool:
         return len(self.finished) == self.count
 
     def to_json(self) -> dict[str, object]:
-        return {"count": self.count, "finished": list(self.finished), "complete": self.complete}
+        return {
+            "count": self.count,
+            "finished": list(self.finished),
+            "complete": self.complete,
+            "restarted": self.restarted,
+        }
 
 
 def _complete_copy_of(stored: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> bool:
@@ -145,7 +152,8 @@ def _merged(
     files_before: list[Any] = stored.get("files", []) if same and stored is not None else []
     if not isinstance(finished_before, list) or not isinstance(files_before, list):
         finished_before, files_before = [], []  # not what this version writes: start the record again
-    if not same and _complete_copy_of(stored, fields):
+    whole = not same and _complete_copy_of(stored, fields)
+    if whole:
         # A whole run (or an earlier split) already copied this plan: a worker re-running keeps it complete.
         finished_before, files_before = list(range(worker.count)), stored["files"]  # type: ignore[index]
     by_path = {item["path"]: item for item in files_before if isinstance(item, dict) and "path" in item}
@@ -153,7 +161,7 @@ def _merged(
     order = fields["plan_order"]
     files = [by_path[path] for path in order if path in by_path]
     finished = sorted({index for index in finished_before if isinstance(index, int)} | {worker.index})
-    record = ShareRecord(tuple(finished), worker.count)
+    record = ShareRecord(tuple(finished), worker.count, restarted=isinstance(workers, dict) and not same and not whole)
     document = {
         "tool": "streamctl",
         "version": __version__,

@@ -618,6 +618,11 @@ def _finish(
     lease.ensure_held()
     record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
                           remove_replaced, lease.guard_commit)  # fmt: skip
+    if record.restarted:
+        progress.log(
+            f"{MANIFEST_NAME} recorded the shares of another split or plan (other files, revision or worker count); "
+            f"it records this one's from now on: run every --worker K/{record.count} of this split"
+        )
     if not record.complete:
         progress.log(f"worker {plan.share.worker}: share recorded; {len(record.finished)} of {record.count} done")
     return removed, record

@@ -290,3 +290,30 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
     assert manifest["complete"] is True and manifest["workers"]["finished"] == list(range(count))
     assert [item["path"] for item in manifest["files"]] == list(order)
     assert len(set(completions)) == 1  # one worker completed it (it may have retried its write)
+
+
+def test_a_worker_of_another_split_starts_the_record_again_and_says_so(tmp_path: Path) -> None:
+    source = tmp_path / "model"
+    source.mkdir()
+    for name, body in sharded_model().items():
+        (source / name).write_bytes(body)
+    dest = tmp_path / "out"
+    assert run_cli("transfer", str(source), str(dest), "--worker", "0/2", "--no-verify").exit_code == 0
+    other = run_cli("transfer", str(source), str(dest), "--worker", "1/3", "--no-verify")
+    assert other.exit_code == 0, other.stderr
+    assert "recorded the shares of another split or plan" in " ".join(other.stdout.split())
+    manifest = json.loads((dest / MANIFEST_NAME).read_text())
+    assert manifest["complete"] is False and manifest["workers"] == {**manifest["workers"], "count": 3, "finished": [1]}
+    for index in (0, 2):
+        assert run_cli("transfer", str(source), str(dest), "--worker", f"{index}/3", "--no-verify").exit_code == 0
+    assert json.loads((dest / MANIFEST_NAME).read_text())["complete"] is True
+
+
+def test_an_indexed_job_of_a_hub_branch_says_to_pin_the_commit() -> None:
+    image = ["--image", "registry.example/streamctl:0.1.0"]
+    unpinned = run_cli("transfer", "org/model", "s3://bucket/m", "--k8s-job", "--parallelism", "2", *image)
+    assert unpinned.exit_code == 0 and "--revision COMMIT" in unpinned.stderr
+    pinned = run_cli(
+        "transfer", "org/model", "s3://bucket/m", "--k8s-job", "--parallelism", "2", "--revision", "abc1234", *image
+    )
+    assert pinned.exit_code == 0 and "--revision COMMIT" not in pinned.stderr

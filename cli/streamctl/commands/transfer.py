@@ -183,6 +183,8 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
     arguments += [f"--azure-account={given['azure_account']}"] if given["azure_account"] else []
     if given["token"] and not given["secret"]:
         output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
+    if given["parallelism"] and source_url.startswith("hf://") and not given["revision"]:
+        output.warn("each pod resolves the branch itself; pass --revision COMMIT so that all pods copy the same one")
     job = transfer_job(
         arguments,
         name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
