@@ -27,7 +27,7 @@ def _dest(root: str, tmp_path: Path, request: pytest.FixtureRequest) -> Location
     return open_location(url)
 
 
-@pytest.mark.parametrize("root", ["local", "s3_root"])
+@pytest.mark.parametrize("root", ["local", "s3_root", "gs_root", "az_root"])
 def test_workers_of_one_split_hold_their_leases_together(
     root: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -50,7 +50,7 @@ def test_workers_of_one_split_hold_their_leases_together(
     whole.release()
 
 
-@pytest.mark.parametrize("root", ["local", "s3_root"])
+@pytest.mark.parametrize("root", ["local", "s3_root", "gs_root", "az_root"])
 def test_a_whole_dest_run_keeps_workers_out_and_they_leave_no_lease(
     root: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
