@@ -649,7 +649,8 @@ def execute_transfer(
             # Planning ran before the lease: another run may have finished writing here since.
             existing = list_dest(dest)
             manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
-            _check_manifest(dest, manifests, plan.source, plan.commit, {file.path for file in plan.files})
+            planned = set(plan.share.planned) if plan.share else {file.path for file in plan.files}
+            _check_manifest(dest, manifests, plan.source, plan.commit, planned)
         return _execute_transfer(plan, source, dest, options, progress, lease)
 
 

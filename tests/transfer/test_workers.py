@@ -317,3 +317,19 @@ def test_an_indexed_job_of_a_hub_branch_says_to_pin_the_commit() -> None:
         "transfer", "org/model", "s3://bucket/m", "--k8s-job", "--parallelism", "2", "--revision", "abc1234", *image
     )
     assert pinned.exit_code == 0 and "--revision COMMIT" not in pinned.stderr
+
+
+def test_a_worker_without_the_shard_manifest_in_its_share_copies_a_sharded_checkpoint_again(tmp_path: Path) -> None:
+    """The DEST checks under the lease see the whole plan: the shard manifest another share carried is the
+    plan's own, not a `shard` run's in the way."""
+    source = tmp_path / "model"
+    source.mkdir()
+    for name, body in sharded_model().items():
+        (source / name).write_bytes(body)
+    (source / "streamctl-shard-manifest.json").write_text(json.dumps({"tool": "streamctl", "complete": True}))
+    dest = tmp_path / "out"
+    for _ in range(2):  # and every worker re-runs freely
+        for index in range(WORKERS):
+            result = run_cli("transfer", str(source), str(dest), "--worker", f"{index}/{WORKERS}", "--no-verify")
+            assert result.exit_code == 0, (index, result.stderr)
+    assert json.loads((dest / MANIFEST_NAME).read_text())["complete"] is True
