@@ -142,6 +142,17 @@ def _complete_copy_of(stored: Mapping[str, Any] | None, fields: Mapping[str, Any
     return set(fields["plan_order"]) <= paths
 
 
+def _older_files(stored: Mapping[str, Any] | None, fields: Mapping[str, Any], complete: bool) -> list[str]:
+    """Files of earlier runs the manifest keeps naming (a later --force removes them): those of every share's
+    plan, and what --force is to remove until the worker completing the manifest has removed it."""
+    kept = stored.get("older_files") if stored is not None else None
+    older = {path for path in kept if isinstance(path, str)} if isinstance(kept, list) else set()
+    older |= set(fields["older_files"])
+    to_remove = set(fields["to_remove"])
+    older = older - to_remove if complete else older | to_remove
+    return sorted(older - set(fields["plan_order"]))
+
+
 def _merged(
     stored: Mapping[str, Any] | None, fields: Mapping[str, Any], worker: Worker, digest: str
 ) -> tuple[dict[str, Any], ShareRecord]:
@@ -152,9 +163,10 @@ def _merged(
     files_before: list[Any] = stored.get("files", []) if same and stored is not None else []
     if not isinstance(finished_before, list) or not isinstance(files_before, list):
         finished_before, files_before = [], []  # not what this version writes: start the record again
-    whole = not same and _complete_copy_of(stored, fields)
+    whole = not same and not fields.get("force") and _complete_copy_of(stored, fields)
     if whole:
-        # A whole run (or an earlier split) already copied this plan: a worker re-running keeps it complete.
+        # A whole run (or an earlier split) already copied this plan: a worker re-running keeps it complete
+        # (not with --force: then every share copies its files again, and the record starts again).
         finished_before, files_before = list(range(worker.count)), stored["files"]  # type: ignore[index]
     by_path = {item["path"]: item for item in files_before if isinstance(item, dict) and "path" in item}
     by_path.update({item["path"]: item for item in fields["files"]})
@@ -169,7 +181,7 @@ def _merged(
         "source": fields["source"],
         "commit": fields["commit"],
         "files": files,
-        "older_files": fields["older_files"],
+        "older_files": _older_files(stored if same else None, fields, record.complete),
         "complete": record.complete,
         "workers": {"count": worker.count, "plan": digest, "finished": finished},
     }
@@ -199,8 +211,8 @@ def record_share(
 ) -> ShareRecord:
     """Merge this worker's share into the manifest `name` of `dest`, conditionally (see the module's doc).
 
-    `fields`: source, commit, files (this share's, as manifest entries), older_files, plan_order (every planned
-    path, in the plan's order). `before_complete` runs before the write that completes the manifest (what
+    `fields`: source, commit, files (this share's, as manifest entries), older_files, to_remove (what --force
+    removes once every share is in), plan_order (every planned path, in the plan's order), force (optional). `before_complete` runs before the write that completes the manifest (what
     --force removes), `before_write` before every write (the lease's guard)."""
     key = dest.key(name)
     for _ in range(_RECORD_ATTEMPTS):

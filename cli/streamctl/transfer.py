@@ -599,7 +599,7 @@ def _manifest_fields(plan: TransferPlan, files: tuple[CopiedFile, ...]) -> dict[
 
 
 def _finish(
-    dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...], progress: Progress, lease: Lease
+    dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...], progress: Progress, lease: Lease, force: bool
 ) -> tuple[tuple[str, ...], ShareRecord | None]:
     """Remove what --force replaces, then write the manifest (a worker: merge its share into it, and only the
     one completing it removes). What was removed, and for a worker the shares finished."""
@@ -615,6 +615,7 @@ def _finish(
         removed = remove_files(dest, plan.cleanup.to_remove, progress)
 
     fields = {**_manifest_fields(plan, files), "plan_order": plan.share.planned}
+    fields.update(to_remove=plan.cleanup.to_remove, force=force)
     lease.ensure_held()
     record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
                           remove_replaced, lease.guard_commit)  # fmt: skip
@@ -688,7 +689,7 @@ def _execute_transfer(
     results = tuple(
         copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
     )
-    removed, share = _finish(dest, plan, results, progress, lease)
+    removed, share = _finish(dest, plan, results, progress, lease, options.force)
     return TransferResult(
         plan.source,
         plan.dest,

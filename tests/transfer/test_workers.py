@@ -274,7 +274,7 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
 
     def record(index: int) -> None:
         fields = {
-            "source": "hf://org/race", "commit": None, "older_files": [], "plan_order": order,
+            "source": "hf://org/race", "commit": None, "older_files": [], "to_remove": (), "plan_order": order,
             "files": [{"path": order[index], "size": index, "sha256": "0" * 64}],
         }  # fmt: skip
         barrier.wait()
@@ -333,3 +333,24 @@ def test_a_worker_without_the_shard_manifest_in_its_share_copies_a_sharded_check
             result = run_cli("transfer", str(source), str(dest), "--worker", f"{index}/{WORKERS}", "--no-verify")
             assert result.exit_code == 0, (index, result.stderr)
     assert json.loads((dest / MANIFEST_NAME).read_text())["complete"] is True
+
+
+def test_with_force_only_the_worker_completing_the_manifest_removes_what_the_new_plan_lacks(tmp_path: Path) -> None:
+    source = tmp_path / "model"
+    source.mkdir()
+    files = sharded_model()
+    for name, body in files.items():
+        (source / name).write_bytes(body)
+    (source / "extra.json").write_text("{}")
+    dest = tmp_path / "out"
+    assert run_cli("transfer", str(source), str(dest), "--no-verify").exit_code == 0
+    assert (dest / "extra.json").exists()
+    for index in range(WORKERS):
+        worker = ["--worker", f"{index}/{WORKERS}", "--force", "--exclude", "extra.json", "--json"]
+        result = run_cli("transfer", str(source), str(dest), *worker)
+        assert result.exit_code == 0, result.stderr
+        removed = json.loads(result.stdout)["removed"]
+        last = index == WORKERS - 1
+        assert removed == (["extra.json"] if last else []), (index, removed)
+        assert (dest / "extra.json").exists() is not last  # the earlier run's file stays until every share is in
+    assert sorted(path.name for path in dest.iterdir()) == sorted([*files, MANIFEST_NAME])
