@@ -185,6 +185,10 @@ def _merged(
         "complete": record.complete,
         "workers": {"count": worker.count, "plan": digest, "finished": finished},
     }
+    if not record.complete:
+        # Every file of the plan may be in DEST already (a share killed after some): a later --force sees them
+        # as streamctl's (streamctl.ownership.manifest_paths reads "planned", as for `shard`).
+        document["planned"] = list(order)
     return document, record
 
 

@@ -354,3 +354,20 @@ def test_with_force_only_the_worker_completing_the_manifest_removes_what_the_new
         assert removed == (["extra.json"] if last else []), (index, removed)
         assert (dest / "extra.json").exists() is not last  # the earlier run's file stays until every share is in
     assert sorted(path.name for path in dest.iterdir()) == sorted([*files, MANIFEST_NAME])
+
+
+def test_files_of_an_unrecorded_share_count_as_streamctls_for_a_later_force(tmp_path: Path) -> None:
+    """A worker killed after writing some files, before recording its share: the incomplete manifest names
+    the whole plan, so a later --force run that leaves those files out removes them instead of keeping them."""
+    source = tmp_path / "model"
+    source.mkdir()
+    files = sharded_model()
+    for name, body in files.items():
+        (source / name).write_bytes(body)
+    dest = tmp_path / "out"
+    assert run_cli("transfer", str(source), str(dest), "--worker", "0/3", "--no-verify").exit_code == 0
+    unrecorded = _shares(files)[1][0]
+    (dest / unrecorded).write_bytes(files[unrecorded])  # what worker 1 wrote before it was killed
+    plan = run_cli("transfer", str(source), str(dest), "--force", "--exclude", unrecorded, "--dry-run", "--json")
+    assert plan.exit_code == 0, plan.stderr
+    assert json.loads(plan.stdout)["to_remove"] == [unrecorded]
