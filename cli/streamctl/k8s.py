@@ -1,5 +1,6 @@
-"""Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job), the policy that sizes
-them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small YAML writer."""
+"""Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job or Indexed Job), the
+policy that sizes them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small
+YAML writer."""
 
 from __future__ import annotations
 

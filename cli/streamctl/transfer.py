@@ -9,6 +9,9 @@ of small files); otherwise it is aborted and the file retried once from scratch.
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
 stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match.
+
+`--worker K/N` (streamctl.shares): the plan is cut to share K of N, the run holds that share's lease, and
+the manifest is merged share by share; the worker whose share completes it removes what --force replaces.
 """
 
 from __future__ import annotations
