@@ -23,9 +23,9 @@ _streamctl() {
         transfer)
             case "$prev" in
                 --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;
-                --revision|--include|--exclude|--concurrency|-j|--part-size|--max-buffer|--token|--namespace|--service-account|--secret|--image|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --revision|--include|--exclude|--concurrency|-j|--part-size|--max-buffer|--token|--worker|--namespace|--service-account|--secret|--image|--parallelism|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--revision --repo-type --include --exclude --all-files --follow-symlinks --concurrency -j --part-size --max-buffer --token --dry-run --force --verify --no-verify --k8s-job --namespace --service-account --secret --image --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--revision --repo-type --include --exclude --all-files --follow-symlinks --concurrency -j --part-size --max-buffer --token --dry-run --force --verify --no-verify --worker --k8s-job --namespace --service-account --secret --image --parallelism --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         verify-index)
             case "$prev" in
                 --index|--expect|--tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--concurrency|-j|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;

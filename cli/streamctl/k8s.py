@@ -1,11 +1,11 @@
-"""Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job), the policy that sizes
-them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small YAML writer."""
+"""Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job or Indexed Job), the
+policy that sizes them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small
+YAML writer."""
 
 from __future__ import annotations
 
 import math
 import re
-import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -122,6 +122,51 @@ def k8s_name(text: str, limit: int = 63) -> str:
     return (name[:limit].rstrip("-")) or "streamctl"
 
 
+IMAGE_HINT = (
+    "build the image from the streamctl repository (its Dockerfile installs this very version) and push it where "
+    "the cluster pulls from: docker build -t REGISTRY/streamctl:{version} . && docker push REGISTRY/streamctl:{version}"
+    ", then pass --image REGISTRY/streamctl:{version}"
+)
+COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # what Kubernetes calls the pod's index in an Indexed Job
+
+
+def _job_container(
+    arguments: Sequence[str], image: str, parallelism: int | None, secret: str | None, env: Mapping[str, str]
+) -> dict[str, object]:
+    """The transfer container; in an Indexed Job each pod runs `--worker INDEX/N`, INDEX filled in by
+    Kubernetes from the pod's completion index (`$(VAR)` in a command names an env var of the container)."""
+    variables: list[dict[str, object]] = [{"name": key, "value": value} for key, value in sorted(env.items())]
+    command = ["streamctl", "transfer", *arguments]
+    if parallelism is not None:
+        index_field = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        variables.insert(0, {"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {"fieldPath": index_field}}})
+        command.append(f"--worker=$({COMPLETION_INDEX})/{parallelism}")
+    container: dict[str, object] = {
+        "name": "transfer",
+        "image": image,
+        "command": command,
+        "env": variables,
+        "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+    }
+    if secret:
+        container["envFrom"] = [{"secretRef": {"name": secret}}]
+    return container
+
+
+def _indexed_spec(parallelism: int) -> dict[str, object]:
+    """One pod per share, all at once; each index retries on its own (a re-run skips what is finished), a
+    replacement starts only once the pod it replaces is gone (so it does not meet that pod's lease), and
+    evictions or preemptions use up no retry."""
+    return {
+        "completionMode": "Indexed",
+        "completions": parallelism,
+        "parallelism": parallelism,
+        "backoffLimitPerIndex": 6,
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": {"rules": [{"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+    }
+
+
 def transfer_job(
     arguments: Sequence[str],
     *,
@@ -132,43 +177,33 @@ def transfer_job(
     service_account: str | None,
     secret: str | None,
     env: Mapping[str, str],
+    parallelism: int | None = None,
 ) -> dict[str, object]:
-    """A Job that runs `streamctl transfer ARGUMENTS` in the cluster, next to the bucket.
+    """A Job that runs `streamctl transfer ARGUMENTS` in the cluster, next to the bucket; with `parallelism`
+    N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.shares).
 
-    Re-runs are cheap (finished objects are skipped), so the Job may retry freely.
-    """
-    if image:
-        command = ["streamctl", "transfer", *arguments]
-    else:
-        image = "python:3.12-slim"
-        quoted = " ".join(shlex.quote(argument) for argument in arguments)
-        command = [
-            "sh",
-            "-c",
-            f"pip install --no-cache-dir --quiet 'streamctl=={version}' && exec streamctl transfer {quoted}",
-        ]
-    container: dict[str, object] = {
-        "name": "transfer",
-        "image": image,
-        "command": command,
-        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
-        "resources": {
-            "requests": {"cpu": "2", "memory": "1Gi"},
-            "limits": {"memory": "2Gi"},
-        },
+    Re-runs are cheap (finished objects are skipped), so the Job may retry freely. UsageError without an
+    `image` (no package index serves streamctl: the image is built from the repository's Dockerfile)."""
+    refuse_clear_text_credentials([arguments, env])
+    if not image:
+        raise UsageError(
+            "--k8s-job needs --image: an image with streamctl installed", hint=IMAGE_HINT.format(version=version)
+        )
+    container = _job_container(arguments, image, parallelism, secret, env)
+    # Never: a failed pod is replaced by a new one (what per-index retries and the failure policy require).
+    pod_spec: dict[str, object] = {
+        "restartPolicy": "OnFailure" if parallelism is None else "Never",
+        "containers": [container],
     }
-    if secret:
-        container["envFrom"] = [{"secretRef": {"name": secret}}]
-    pod_spec: dict[str, object] = {"restartPolicy": "OnFailure", "containers": [container]}
     if service_account:
         pod_spec["serviceAccountName"] = service_account
-    refuse_clear_text_credentials([arguments, env])
+    spec: dict[str, object] = {"backoffLimit": 6} if parallelism is None else _indexed_spec(parallelism)
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
         "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "streamctl"}},
         "spec": {
-            "backoffLimit": 6,
+            **spec,
             "ttlSecondsAfterFinished": 86400,
             "template": {"metadata": {"labels": {"app.kubernetes.io/name": name}}, "spec": pod_spec},
         },

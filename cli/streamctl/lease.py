@@ -17,6 +17,13 @@ its expiry) learns so at its next renewal and stops, and it renews once more rig
 manifest: after a renewal no other run can take the lease for `ttl_s`, so a manifest is only ever written
 by the lease's holder.
 
+`transfer --worker K/N` runs (streamctl.shares) write one DEST together: each holds its own lease,
+LEASE_NAME + ".worker-K-of-N", with the same semantics, so two runs of one share exclude each other. A
+whole-DEST run and worker runs exclude each other too, as do workers of different counts N: each run takes
+its own lease first, then looks for a live lease it conflicts with, and if it finds one it releases its own
+and stops. Of two such runs starting together at least one sees the other (every store here reads its own
+and others' completed writes); at worst both stop, and neither writes.
+
 Expiry compares wall clocks of different machines: the default TTL (two minutes) is far beyond usual
 clock skew; STREAMCTL_LEASE_TTL and STREAMCTL_LEASE_HEARTBEAT (seconds) change them.
 """
@@ -26,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import threading
 import uuid
@@ -37,11 +45,19 @@ from typing import Any
 
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
+from streamctl.shares import Worker
 from streamctl.storage.base import LEASE_NAME, Location, MultipartUpload, ObjectInfo, Store
 
 DEFAULT_TTL_S = 120.0
 DEFAULT_HEARTBEAT_S = 20.0
 _ACQUIRE_ATTEMPTS = 5
+_WORKER_PREFIX = f"{LEASE_NAME}.worker-"
+_WORKER_LEASE = re.compile(re.escape(_WORKER_PREFIX) + r"([0-9]+)-of-([0-9]+)")
+
+
+def lease_name(worker: Worker | None) -> str:
+    """The lease a run holds: DEST's own, or its `--worker` share's."""
+    return LEASE_NAME if worker is None else f"{_WORKER_PREFIX}{worker.index}-of-{worker.count}"
 
 
 @dataclass(frozen=True)
@@ -201,6 +217,7 @@ class Lease:
     settings: LeaseSettings
     progress: Progress
     acquired_at: datetime  # our clock, just before the request that got it
+    name: str = LEASE_NAME  # lease_name(): DEST's own, or a `--worker` share's
     taken_over: Holder | None = None  # the stale lease replaced, if any
     lost: DestinationBusy | None = None  # set once another run holds it (or it expired unrenewed)
     _on_lost: list[Callable[[], None]] = field(default_factory=list)
@@ -210,7 +227,7 @@ class Lease:
 
     @property
     def key(self) -> str:
-        return self.location.key(LEASE_NAME)
+        return self.location.key(self.name)
 
     @property
     def url(self) -> str:
@@ -366,8 +383,8 @@ def _metadata(body: bytes) -> dict[str, str]:
     return {"sha256": hashlib.sha256(body).hexdigest()}  # like every object streamctl writes
 
 
-def _busy(location: Location, holder: Holder | None) -> DestinationBusy:
-    lease_url = location.store.url(location.key(LEASE_NAME))
+def _busy(location: Location, holder: Holder | None, name: str = LEASE_NAME) -> DestinationBusy:
+    lease_url = location.store.url(location.key(name))
     if holder is None:
         return DestinationBusy(
             f"{location.url} is being written by another streamctl run (its lease kept changing)",
@@ -383,13 +400,29 @@ def _busy(location: Location, holder: Holder | None) -> DestinationBusy:
     )
 
 
-def acquire(location: Location, command: str, progress: Progress, settings: LeaseSettings | None = None) -> Lease:
-    """Take the lease of `location` (creating it, or taking over a stale one) and start its heartbeat.
+def acquire(
+    location: Location,
+    command: str,
+    progress: Progress,
+    settings: LeaseSettings | None = None,
+    worker: Worker | None = None,
+) -> Lease:
+    """Take the lease of `location` (creating it, or taking over a stale one) and start its heartbeat; with
+    `worker`, that share's lease (see the module's doc).
 
-    DestinationBusy when a live run holds it."""
+    DestinationBusy when a live run holds it, or holds a lease this one conflicts with."""
     settings = settings or LeaseSettings.from_environ()
     settings.validate()
-    store, key = location.store, location.key(LEASE_NAME)
+    lease = _take(location, lease_name(worker), command, progress, settings)
+    conflict = _live_conflict(location, worker)
+    if conflict is not None:
+        lease.release()
+        raise _busy(location, *conflict)
+    return lease
+
+
+def _take(location: Location, name: str, command: str, progress: Progress, settings: LeaseSettings) -> Lease:
+    store, key = location.store, location.key(name)
     owner = uuid.uuid4().hex
     boot_id, pid_ns = _read_text("/proc/sys/kernel/random/boot_id"), _pid_namespace()
     started = _now()
@@ -403,7 +436,7 @@ def acquire(location: Location, command: str, progress: Progress, settings: Leas
         body = holder.to_bytes()
         try:
             version = store.create_if_absent(key, body, _metadata(body))
-            return _started(Lease(location, holder, version, settings, progress, acquired_at))
+            return _started(Lease(location, holder, version, settings, progress, acquired_at, name))
         except PreconditionFailed:
             pass
         try:
@@ -412,10 +445,10 @@ def acquire(location: Location, command: str, progress: Progress, settings: Leas
             continue  # released meanwhile: try to create it again
         held = Holder.from_bytes(data)
         if held is not None and held.owner == owner:  # our own create, answered 412 after a retried request
-            return _started(Lease(location, held, version, settings, progress, acquired_at))
+            return _started(Lease(location, held, version, settings, progress, acquired_at, name))
         reason = "it is unreadable" if held is None else stale_reason(held, _now())
         if reason is None:
-            raise _busy(location, held)
+            raise _busy(location, held, name)
         last_seen = held
         try:
             version = store.replace_if_version(key, body, version, _metadata(body))
@@ -423,8 +456,35 @@ def acquire(location: Location, command: str, progress: Progress, settings: Leas
             continue  # renewed, released or taken by another run meanwhile: look again
         what = "an unreadable lease" if held is None else f"the lease of a stale run ({held.describe()})"
         progress.log(f"took over {what} on {location.url}: {reason}")
-        return _started(Lease(location, holder, version, settings, progress, acquired_at, taken_over=held))
-    raise _busy(location, last_seen)
+        return _started(Lease(location, holder, version, settings, progress, acquired_at, name, taken_over=held))
+    raise _busy(location, last_seen, name)
+
+
+def _conflicting_names(location: Location, worker: Worker | None) -> list[str]:
+    """The leases of `location` a run of `worker` (None: a whole-DEST run) must not run beside: for a
+    whole-DEST run every worker's, for a worker DEST's own and those of workers of another count."""
+    try:
+        listed = list(location.store.list(location.key(_WORKER_PREFIX)))
+    except NotFoundError:
+        listed = []  # a local folder not made yet
+    names = [info.key.rpartition("/")[2] for info in listed if info.key.rpartition("/")[0] == location.prefix]
+    workers = [(name, match) for name in names if (match := _WORKER_LEASE.fullmatch(name)) is not None]
+    if worker is None:
+        return [name for name, _ in workers]
+    return [LEASE_NAME] + [name for name, match in workers if int(match[2]) != worker.count]
+
+
+def _live_conflict(location: Location, worker: Worker | None) -> tuple[Holder, str] | None:
+    """A live lease (its holder and name) that excludes a run of `worker`; stale and unreadable ones do not."""
+    for name in _conflicting_names(location, worker):
+        try:
+            data, _ = location.store.read_versioned(location.key(name))
+        except NotFoundError:
+            continue
+        held = Holder.from_bytes(data)
+        if held is not None and stale_reason(held, _now()) is None:
+            return held, name
+    return None
 
 
 def _started(lease: Lease) -> Lease:
@@ -434,11 +494,15 @@ def _started(lease: Lease) -> Lease:
 
 @contextmanager
 def hold_lease(
-    location: Location, command: str, progress: Progress, settings: LeaseSettings | None = None
+    location: Location,
+    command: str,
+    progress: Progress,
+    settings: LeaseSettings | None = None,
+    worker: Worker | None = None,
 ) -> Iterator[Lease]:
-    """Hold the lease of `location` for the block; released on every way out. A failure inside the block
-    caused by losing the lease (the writer was cancelled) is reported as the lost lease."""
-    lease = acquire(location, command, progress, settings)
+    """Hold the lease of `location` (with `worker`: that share's) for the block; released on every way out. A
+    failure inside the block caused by losing the lease (the writer was cancelled) is reported as the lost lease."""
+    lease = acquire(location, command, progress, settings, worker)
     try:
         yield lease
     except Exception as error:

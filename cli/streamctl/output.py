@@ -401,6 +401,8 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
     columns = [Column("action"), Column("size", right=True), Column("file"), Column("reason", wraps=True)]
     # A Hub source is pinned to the commit its revision resolved to; a folder or bucket has none to show.
     title = f"{plan.source} -> {plan.dest}" + (f" @ {plan.commit}" if plan.commit else "")
+    if plan.share is not None:
+        title += f", worker {plan.share.worker}: {len(plan.files):,} of {len(plan.share.planned):,} files"
     print_table(console, columns, rows, title=title)
     copying = sum(1 for file in plan.files if file.action == "copy")
     phrases = [
@@ -432,10 +434,22 @@ def render_transfer_result(result: TransferResult) -> None:
         discarded += f"; removed {plural(len(result.removed), 'file')} an earlier streamctl run wrote"
     if result.bytes_resumed:
         discarded += f"; {human_bytes(result.bytes_resumed)} an earlier run had sent were not sent again"
-    print_phrases(stdout(), [
+    phrases = [
         f"[bold green]done[/] {escape(result.dest)}:", f"{copied:,} copied,", f"{skipped:,} unchanged{discarded};",
         f"{human_bytes(result.bytes_copied)} in {result.seconds:.1f} s{_rate(result.bytes_copied, result.seconds)}",
-    ], separator=" ")  # fmt: skip
+    ]  # fmt: skip
+    if result.share is not None:
+        finished, count = len(result.share.finished), result.share.count
+        phrases[-1] += ";"
+        phrases.append(
+            f"all {count:,} worker shares finished, manifest complete"
+            if result.share.complete
+            else f"{finished:,} of {count:,} worker shares finished (the last one completes the manifest)"
+        )
+        if result.share.restarted:
+            phrases[-1] += ";"
+            phrases.append("the manifest had recorded the shares of another split or plan: they start again")
+    print_phrases(stdout(), phrases, separator=" ")
 
 
 def render_transfer_run(run: TransferRun) -> None:

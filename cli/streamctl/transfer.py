@@ -15,6 +15,9 @@ killed run (kill -9, an evicted pod, a link lost past its retries) left and send
 lacks. It still reads every byte of the source, to hash the whole file before completing and to check
 each held part: a part is reused only when the MD5 of the source's bytes matches what DEST holds (see
 storage.base.HeldPart); any other is sent again. Uploads of other plans are discarded, as before.
+
+`--worker K/N` (streamctl.shares): the plan is cut to share K of N, the run holds that share's lease, and
+the manifest is merged share by share; the worker whose share completes it removes what --force replaces.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from streamctl.ownership import (
 )
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
+from streamctl.shares import Share, ShareRecord, Worker, record_share, split_shares, take_share
 from streamctl.storage import deadlines
 from streamctl.storage.base import (
     HeldPart,
@@ -121,6 +125,8 @@ class TransferPlan:
     cleanup: Cleanup = field(default_factory=Cleanup)
     # Entries of a local SOURCE left out (FIFOs, devices, links not followed) or read through a link.
     notes: tuple[ListingNote, ...] = ()
+    # `--worker K/N`: `files` are this worker's share of the plan (streamctl.shares), `share` says of which.
+    share: Share | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -143,6 +149,7 @@ class TransferPlan:
             "to_remove": list(self.cleanup.to_remove),
             "left_alone": [item.to_json() for item in self.cleanup.left_alone],
             **notes_to_json(self.notes),
+            "worker": self.share.to_json() if self.share else None,
             "total_bytes": self.total_bytes,
             "copy_bytes": self.copy_bytes,
         }
@@ -158,6 +165,7 @@ class TransferOptions:
     max_buffer: int = DEFAULT_MAX_BUFFER
     force: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    worker: Worker | None = None  # `--worker K/N`: copy share K of N (streamctl.shares)
 
     def validate(self) -> None:
         check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
@@ -183,6 +191,7 @@ class TransferResult:
     notes: tuple[ListingNote, ...] = ()  # the plan's: SOURCE entries left out or read through a link
     # Bytes of parts an earlier (killed) run had sent that matched the source: read and hashed, not sent.
     bytes_resumed: int = 0
+    share: ShareRecord | None = None  # `--worker`: the shares finished once this one went into the manifest
 
     @property
     def throughput_mb_s(self) -> float:
@@ -201,6 +210,7 @@ class TransferResult:
             "discarded_uploads": list(self.discarded),
             "removed": list(self.removed),
             **notes_to_json(self.notes),
+            "worker": self.share.to_json() if self.share else None,
         }
 
 
@@ -426,7 +436,17 @@ def plan_transfer(
     candidates = [*existing, *unfollowed_links(dest_notes)]
     written_before = written_by_streamctl(manifests, candidates)
     cleanup = plan_cleanup(candidates, writes, written_before, lambda name: False, options.force)
-    return TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
+    plan = TransferPlan(source_id, dest.url, commit, tuple(files), excluded, cleanup, notes)
+    return _worker_share(plan, options.worker) if options.worker else plan
+
+
+def _worker_share(plan: TransferPlan, worker: Worker) -> TransferPlan:
+    """The plan cut to this worker's share; what the share is split from is every planned file, copied or
+    skipped, so all workers compute the same split whatever DEST holds by now."""
+    sized = [(file.path, file.size) for file in plan.files]
+    mine = set(split_shares(sized, worker.count)[worker.index])
+    share = take_share(plan.source, plan.commit, sized, worker)
+    return replace(plan, files=tuple(file for file in plan.files if file.path in mine), share=share)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -652,15 +672,45 @@ class _Engine:
             self.progress.log(f"left {len(uploads)} unfinished upload(s) for the next run to resume: {shown}")
 
 
-def _write_transfer_manifest(dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...]) -> None:
-    fields = {
+def _manifest_fields(plan: TransferPlan, files: tuple[CopiedFile, ...]) -> dict[str, object]:
+    return {
         "source": plan.source,
         "commit": plan.commit,
         "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
         # Files earlier streamctl runs wrote here that this one left (no --force): a later --force removes them.
         "older_files": list(plan.cleanup.older_files),
     }
-    write_manifest(dest, MANIFEST_NAME, fields)
+
+
+def _finish(
+    dest: Location, plan: TransferPlan, files: tuple[CopiedFile, ...], progress: Progress, lease: Lease, force: bool
+) -> tuple[tuple[str, ...], ShareRecord | None]:
+    """Remove what --force replaces, then write the manifest (a worker: merge its share into it, and only the
+    one completing it removes). What was removed, and for a worker the shares finished."""
+    if plan.share is None:
+        gone = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
+        lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
+        write_manifest(dest, MANIFEST_NAME, _manifest_fields(plan, files))
+        return gone, None
+    removed: tuple[str, ...] = ()
+
+    def remove_replaced() -> None:  # the files of every share are complete now
+        nonlocal removed
+        removed = remove_files(dest, plan.cleanup.to_remove, progress)
+
+    fields = {**_manifest_fields(plan, files), "plan_order": plan.share.planned}
+    fields.update(to_remove=plan.cleanup.to_remove, force=force)
+    lease.ensure_held()
+    record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
+                          remove_replaced, lease.guard_commit)  # fmt: skip
+    if record.restarted:
+        progress.log(
+            f"{MANIFEST_NAME} recorded the shares of another split or plan (other files, revision or worker count); "
+            f"it records this one's from now on: run every --worker K/{record.count} of this split"
+        )
+    if not record.complete:
+        progress.log(f"worker {plan.share.worker}: share recorded; {len(record.finished)} of {record.count} done")
+    return removed, record
 
 
 def execute_transfer(
@@ -676,13 +726,16 @@ def execute_transfer(
     The whole write phase holds DEST's lease (DestinationBusy, exit 7, while another run writes there)."""
     options.validate()
     check_disjoint(source, dest)  # again: a plan may come from elsewhere, and nothing is written yet
-    with hold_lease(dest, f"streamctl transfer {plan.source}", progress) as lease:
+    worker = plan.share.worker if plan.share else None
+    command = f"streamctl transfer {plan.source}" + (f" --worker {worker}" if worker else "")
+    with hold_lease(dest, command, progress, worker=worker) as lease:
         dest = lease.fenced(dest)
         if not options.force:
             # Planning ran before the lease: another run may have finished writing here since.
             existing = list_dest(dest)
             manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
-            _check_manifest(dest, manifests, plan.source, plan.commit, {file.path for file in plan.files})
+            planned = set(plan.share.planned) if plan.share else {file.path for file in plan.files}
+            _check_manifest(dest, manifests, plan.source, plan.commit, planned)
         return _execute_transfer(plan, source, dest, options, progress, lease)
 
 
@@ -691,7 +744,8 @@ def _execute_transfer(
 ) -> TransferResult:
     started = time.monotonic()
     to_copy = [file for file in plan.files if file.action == "copy"]
-    ours = {file.path for file in plan.files} | {MANIFEST_NAME}
+    # A worker's are its own share's files: the other workers' uploads in flight are theirs.
+    ours = {file.path for file in plan.files} | ({MANIFEST_NAME} if plan.share is None else set())
     overall = progress.task("total", plan.copy_bytes)
     parts = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-part")
     files_pool = ThreadPoolExecutor(options.concurrency, thread_name_prefix="streamctl-file")
@@ -724,9 +778,7 @@ def _execute_transfer(
     results = tuple(
         copied.get(file.path) or CopiedFile(file.path, file.size, file.sha256 or "", "skipped") for file in plan.files
     )
-    removed = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
-    lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
-    _write_transfer_manifest(dest, plan, results)
+    removed, share = _finish(dest, plan, results, progress, lease, options.force)
     return TransferResult(
         plan.source,
         plan.dest,
@@ -738,6 +790,7 @@ def _execute_transfer(
         removed,
         plan.notes,
         engine.bytes_reused,
+        share,
     )
 
 
@@ -784,7 +837,9 @@ def run_transfer(
     on_plan(plan)
     result = execute_transfer(plan, source, dest, options, progress)
     report = None
-    if verify and any(file.path.endswith(".safetensors") for file in plan.files):
+    whole = result.share is None or result.share.complete  # a worker's share alone is not a checkpoint
+    planned = plan.share.planned if plan.share else tuple(file.path for file in plan.files)
+    if verify and whole and any(path.endswith(".safetensors") for path in planned):
         report = verify_checkpoint(dest)
     run = TransferRun(result, report)
     if report is not None and not report.ok:

@@ -204,8 +204,9 @@ def test_manifests_without_credentials_still_work() -> None:
     assert serve.exit_code == 0, serve.stderr
     assert "http://minio.storage:9000" in serve.stdout
     job = run_cli(
-        "transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job", "--endpoint-url", "http://minio.storage:9000"
-    )
+        "transfer", "s3://bkt/model", "s3://bkt/copy", "--k8s-job", "--endpoint-url", "http://minio.storage:9000",
+        "--image", "registry.example/streamctl:0.1.0",
+    )  # fmt: skip
     assert job.exit_code == 0, job.stderr
 
 

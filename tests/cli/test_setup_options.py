@@ -152,8 +152,9 @@ def test_ambient_environment_variables_are_not_complaints(model: str, tmp_path: 
 
 def test_options_for_a_location_in_the_command_are_accepted(model: str) -> None:
     result = run_cli(
-        "transfer", model, "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job"
-    )
+        "transfer", model, "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job",
+        "--image", "registry.example/streamctl:0.1.0",
+    )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert "--endpoint-url=http://127.0.0.1:9" in result.stdout and "warning" not in result.stderr
     assert run_cli("serve", model, "--k8s", "--namespace", "ml").exit_code == 0

@@ -460,6 +460,8 @@ def test_k8s_job_is_a_valid_job_without_the_token() -> None:
         "meta-llama/Llama-3.1-70B",
         "gs://models-usc/llama-70b",
         "--k8s-job",
+        "--image",
+        "registry.example/streamctl:0.1.0",
         "--service-account",
         "gcs-access",
         "--secret",
@@ -489,9 +491,11 @@ def test_k8s_job_is_a_valid_job_without_the_token() -> None:
     for expected in (
         "streamctl transfer hf://meta-llama/Llama-3.1-70B gs://models-usc/llama-70b",
         "--revision=v1",
-        "'--include=*.py'",
+        "--include=*.py",
     ):
         assert expected in command
+    assert "--include=*.py" in container["command"]  # one argument each: no shell between Kubernetes and streamctl
+    assert container["image"] == "registry.example/streamctl:0.1.0"
 
 
 def test_faults_on_the_destination_still_end_byte_exact(fake_hub: Any, s3_root: str, storage_servers: Any) -> None:

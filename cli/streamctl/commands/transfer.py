@@ -64,6 +64,14 @@ def command(
         bool, typer.Option("--force", help="Copy every file again; replace what an earlier streamctl run wrote there.")
     ] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")] = True,
+    worker: Annotated[
+        str | None,
+        typer.Option(
+            "--worker",
+            metavar="K/N",
+            help="Copy share K of N (K from 0 to N-1), balanced by bytes; N runs together copy it all.",
+        ),
+    ] = None,
     k8s_job: Annotated[
         bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
     ] = False,
@@ -92,7 +100,18 @@ def command(
         str | None,
         typer.Option(
             "--image",
-            help="Image with streamctl installed (default: pip install at start).",
+            help="Image with streamctl installed (required: build it from the repository's Dockerfile).",
+            rich_help_panel="Kubernetes",
+        ),
+    ] = None,
+    parallelism: Annotated[
+        int | None,
+        typer.Option(
+            "--parallelism",
+            metavar="N",
+            min=1,
+            max=10_000,
+            help="An Indexed Job of N pods, pod K copying share K of N (--worker K/N).",
             rich_help_panel="Kubernetes",
         ),
     ] = None,
@@ -110,6 +129,7 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.limits import MAX_BUFFER, MAX_PART_SIZE
+    from streamctl.shares import parse_worker
     from streamctl.sizes import parse_size
     from streamctl.storage.url import resolve_source_url
     from streamctl.transfer import TransferOptions, run_transfer
@@ -122,12 +142,14 @@ def command(
         part_size=parse_size(part_size, "--part-size", MAX_PART_SIZE),
         max_buffer=parse_size(max_buffer, "--max-buffer", MAX_BUFFER),
         force=force,
+        worker=parse_worker(worker) if worker is not None else None,
     )
     options.validate()
     source_url = resolve_source_url(source, repo_type.value if repo_type else None)
     check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
     refuse_together(ctx, "k8s_job", "dry_run", "the Job runs the whole transfer (preview it without --k8s-job)")
     refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    refuse_together(ctx, "k8s_job", "worker", "the Job gives each pod its share (use --parallelism N)")
     refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
@@ -161,6 +183,8 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
     arguments += [f"--azure-account={given['azure_account']}"] if given["azure_account"] else []
     if given["token"] and not given["secret"]:
         output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
+    if given["parallelism"] and source_url.startswith("hf://") and not given["revision"]:
+        output.warn("each pod resolves the branch itself; pass --revision COMMIT so that all pods copy the same one")
     job = transfer_job(
         arguments,
         name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
@@ -170,6 +194,7 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
         service_account=given["service_account"],
         secret=given["secret"],
         env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
+        parallelism=given["parallelism"],
     )
     typer.echo(to_yaml(job), nl=False)
 
@@ -185,7 +210,7 @@ EXAMPLES = (
         "streamctl transfer Qwen/Qwen3-8B s3://models/q3 --revision v1 --dry-run",
     ),
     (
-        "Run the copy inside the cluster as a Kubernetes Job:",
-        "streamctl transfer Qwen/Qwen3-8B gs://m/q3 --k8s-job | kubectl apply -f -",
+        "A Kubernetes Indexed Job of 4 pods (IMG: built from the repo's Dockerfile):",
+        "streamctl transfer org/m gs://m/q3 --k8s-job --parallelism 4 --image IMG",
     ),
 )

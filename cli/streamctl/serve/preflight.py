@@ -3,13 +3,13 @@ them) before any GPU spins, and the layout rule when the pre-flight is off (one 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamctl.errors import PreflightFailed, StreamctlError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
 from streamctl.storage.base import Location
-from streamctl.verify.report import Expectation, VerifyOptions
+from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, VerifyOptions
 from streamctl.verify.run import detect_layout, verify_checkpoint
 from streamctl.words import plural
 
@@ -20,6 +20,7 @@ class Preflight:
 
     sharded: bool
     facts: CheckpointFacts | None  # None without the pre-flight
+    warnings: tuple[str, ...] = field(default=())  # for the launch plan: a copy still in progress (--worker)
 
 
 def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
@@ -52,7 +53,12 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
         files=report.stats.files,
         sharded_ranks=report.tensor_parallel_size if sharded else None,
     )
-    return Preflight(sharded=sharded, facts=facts)
+    incomplete = tuple(
+        f"{report.checkpoint}: {finding.message}"
+        for finding in report.warnings
+        if finding.code == TRANSFER_INCOMPLETE_CODE
+    )
+    return Preflight(sharded=sharded, facts=facts, warnings=incomplete)
 
 
 def layout_without_preflight(location: Location, options: ServeOptions) -> bool:

@@ -73,7 +73,7 @@ def prepare_launch(
     target_cuda, target_memory = (True, None) if for_kubernetes else (cuda_available(environ), host_memory_bytes())
 
     def plan_for(chosen: ServeOptions) -> LaunchPlan:
-        return plan_launch(
+        plan = plan_launch(
             chosen,
             checked.facts,
             sharded=checked.sharded,
@@ -81,6 +81,7 @@ def prepare_launch(
             cuda_available=target_cuda,
             host_memory_bytes=target_memory,
         )
+        return replace(plan, warnings=checked.warnings + plan.warnings)
 
     plan = plan_for(options)
     tune_result = None

@@ -24,6 +24,14 @@ MiB = 1024 * 1024
 # listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
 LEASE_NAME = ".streamctl-lease"
+# `transfer --worker K/N` runs hold one lease each, LEASE_NAME + ".worker-K-of-N" (streamctl.lease): as reserved.
+_LEASE_NAME = re.compile(re.escape(LEASE_NAME) + r"(?:\.worker-[0-9]+-of-[0-9]+)?")
+
+
+def is_lease_name(name: str) -> bool:
+    """Whether `name` (one path segment) is a lease's: DEST's own or a `--worker` run's."""
+    return _LEASE_NAME.fullmatch(name) is not None
+
 
 # Temporary names, one form for every backend that makes them (local files, GCS part objects, the record
 # of an S3 multipart upload started with a resume token): the bytes of an upload of `DIR/NAME` live under
@@ -363,11 +371,11 @@ class Location:
     def list(self) -> Iterator[ObjectInfo]:
         """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded).
 
-        Leases (LEASE_NAME, at any depth) are not listed: they are the writing run's, not the model's."""
+        Leases (is_lease_name, at any depth) are not listed: they are the writing runs', not the model's."""
         return (
             info
             for info in self.store.list(f"{self.prefix}/" if self.prefix else "")
-            if info.key.rpartition("/")[2] != LEASE_NAME
+            if not is_lease_name(info.key.rpartition("/")[2])
         )
 
     def notes(self) -> tuple[ListingNote, ...]:

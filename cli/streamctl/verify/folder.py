@@ -1,14 +1,36 @@
 """Checks of what vLLM pulls next to the weights: `config.json` and the custom code its `auto_map` names,
-a tokenizer, and sub-folders it would pull for nothing."""
+a tokenizer, and sub-folders it would pull for nothing; and whether a `transfer --worker` copy is complete."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 
-from streamctl.checkpoint.files import CONFIG_NAME, MISTRAL_PARAMS_NAME, STANDALONE_TOKENIZER_FILES, auto_map_files
+from streamctl.checkpoint.files import (
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    MISTRAL_PARAMS_NAME,
+    STANDALONE_TOKENIZER_FILES,
+    auto_map_files,
+)
 from streamctl.checkpoint.safetensors import decode_json_strictly, printable
-from streamctl.verify.reading import Listing
-from streamctl.verify.report import Findings
+from streamctl.ownership import MAX_MANIFEST_BYTES
+from streamctl.shares import manifest_incomplete
+from streamctl.storage.base import Location
+from streamctl.verify.reading import Listing, Reads, read_small
+from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Findings
+
+
+def check_transfer_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
+    """A `transfer --worker K/N` copy some of whose shares have not finished (streamctl.shares)."""
+    data = read_small(location, listing, MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, TRANSFER_INCOMPLETE_CODE)
+    try:
+        document = json.loads(data) if data is not None else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        document = None  # not one this version wrote: nothing to say about shares
+    reason = manifest_incomplete(document) if isinstance(document, dict) else None
+    if reason is not None:
+        findings.warning(TRANSFER_INCOMPLETE_CODE, MANIFEST_NAME, f"the copy here is not complete: {reason}")
 
 
 def check_serving_files(

@@ -73,6 +73,7 @@ Finding codes
 | `sharded-unexpected-file` | error | a file vLLM's rank glob would load that does not fit the pattern |
 | `sharded-unused-file` | warning | a `.safetensors` file that no rank of the sharded layout loads |
 | `shard-incomplete` | error | `streamctl shard` began here and never completed (killed, out of space, a failed check): `streamctl-shard-manifest.json` says `"complete": false` or is unreadable |
+| `transfer-incomplete` | warning | a `transfer --worker K/N` copy is not complete: `streamctl-manifest.json` says `"complete": false` and names the shares still to run (each worker merges its share in; the last one completes it) |
 
 When one code repeats more than 25 times for one file, the rest are summed up in one finding with that
 code, no tensor, and a message that says how many more there were.
@@ -92,6 +93,7 @@ Severity = Literal["error", "warning"]
 Layout = Literal["indexed", "single", "sharded"]
 
 SHARD_INCOMPLETE_CODE = "shard-incomplete"
+TRANSFER_INCOMPLETE_CODE = "transfer-incomplete"
 FINDINGS_PER_CODE_AND_FILE = PROBLEMS_KEPT_PER_CODE  # the header parser keeps as many and counts the rest
 
 

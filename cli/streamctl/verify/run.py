@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from streamctl.checkpoint.files import (
     CONFIG_NAME,
+    MANIFEST_NAME,
     MAX_CONFIG_BYTES,
     SHARD_MANIFEST_NAME,
     listing_notes,
@@ -25,7 +26,7 @@ from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.storage import deadlines
 from streamctl.storage.base import Location
-from streamctl.verify.folder import check_serving_files
+from streamctl.verify.folder import check_serving_files, check_transfer_manifest
 from streamctl.verify.indexed import (
     check_consolidated_mix,
     check_expectations,
@@ -146,6 +147,9 @@ def _read_checkpoint(
             if SHARD_MANIFEST_NAME in top
             else None
         )
+        transfer_future = (
+            side.submit(check_transfer_manifest, location, listing, findings, reads) if MANIFEST_NAME in top else None
+        )
         config_future = (
             side.submit(read_small, location, listing, CONFIG_NAME, MAX_CONFIG_BYTES, findings, reads, "config-invalid")
             if CONFIG_NAME in top
@@ -157,6 +161,8 @@ def _read_checkpoint(
             config = config_future.result() if config_future else None
             if manifest_future:
                 manifest_future.result()
+            if transfer_future:
+                transfer_future.result()
         except BaseException:
             deadlines.cut_all()  # the side reads too
             raise
