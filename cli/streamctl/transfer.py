@@ -69,6 +69,7 @@ from streamctl.uploads import (
     ByteBudget,
     Cancelled,
     CopiedFile,
+    PartBuffers,
     discard_unfinished_uploads,
     list_dest,
     part_size_for,
@@ -201,7 +202,7 @@ class Digests:
     def __post_init__(self) -> None:
         self.git_sha1 = hashlib.sha1(b"blob %d\x00" % self.size)
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: bytes | memoryview) -> None:
         self.sha256.update(data)
         if self.with_git_sha1:
             self.git_sha1.update(data)
@@ -410,7 +411,7 @@ class _HashChain:
     failed: bool = False
     condition: threading.Condition = field(default_factory=threading.Condition)
 
-    def feed(self, index: int, data: bytes, cancelled: threading.Event) -> None:
+    def feed(self, index: int, data: bytes | memoryview, cancelled: threading.Event) -> None:
         with self.condition:
             while self.next_index != index:
                 if self.failed or cancelled.is_set():
@@ -439,6 +440,7 @@ class _Engine:
     open_uploads: dict[int, MultipartUpload] = field(default_factory=dict)  # by id(): uploads need not be hashable
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_sent: int = 0
+    buffers: PartBuffers = field(default_factory=PartBuffers)
 
     def _retry(self, operation: Callable[[], object], what: str) -> object:
         def note(attempt: int, error: RemoteError) -> None:
@@ -453,6 +455,12 @@ class _Engine:
         if len(data) != length:
             raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
         return data
+
+    def _read_into(self, path: str, start: int, buffer: memoryview) -> None:
+        key = self.source.key(path)
+        read = self._retry(lambda: self.source.store.read_range_into(key, start, buffer), f"read of {path}")
+        if read != len(buffer):
+            raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
 
     def _sent(self, task: int, amount: int) -> None:
         with self.lock:
@@ -533,9 +541,16 @@ class _Engine:
         try:
             if self.cancelled.is_set() or chain.failed:
                 raise Cancelled()
-            data = self._read(file.path, start, length)
-            chain.feed(index, data, self.cancelled)
-            self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
+            # Read, hash and send from one reused buffer: no copy of the part, no fresh pages per part.
+            buffer = self.buffers.take(upload.part_size)  # the last part too: one size, reused
+            try:
+                view = memoryview(buffer)[:length]
+                self._read_into(file.path, start, view)
+                data = view.toreadonly()  # what the SDKs see (some take read-only buffers only)
+                chain.feed(index, data, self.cancelled)
+                self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
+            finally:
+                self.buffers.give(buffer)
             self._sent(task, length)
         finally:
             self.budget.release(held)

@@ -36,7 +36,14 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, Co
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
+from streamctl.storage.base import (
+    MiB,
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    content_type_for,
+    copy_into,
+)
 from streamctl.storage.url import ParsedURL
 
 HINTS = ServiceHints(
@@ -305,8 +312,9 @@ class AzureMultipartUpload:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _state: str = "open"  # "open", "completed" or "aborted"
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
+        data = bytes(data)  # the SDK takes bytes, str or a stream (no-op for bytes)
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
             self.store._call(
@@ -445,6 +453,9 @@ class AzureStore(_errors.CloudRequests):
                 if getattr(error, "status_code", None) == 416:
                     return b""  # the range starts at or after the end of the blob
                 raise
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return copy_into(buffer, self.read_range(key, start, len(buffer)))
 
     def put(
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None

@@ -23,7 +23,14 @@ from botocore.config import Config
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, content_type_for
+from streamctl.storage.base import (
+    MiB,
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    content_type_for,
+    copy_into,
+)
 from streamctl.storage.url import ParsedURL
 
 MAX_COPY_OBJECT_BYTES = 5 * 1024**3  # CopyObject's limit; larger objects are copied in parts
@@ -183,8 +190,9 @@ class S3MultipartUpload:
                 expected_bytes,
             )
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
+        data = bytes(data)  # botocore takes bytes or a file (no-op for bytes)
         extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
         response = self._request("upload_part", len(data), PartNumber=index + 1, Body=data, **extra)
         part = {"PartNumber": index + 1, "ETag": response["ETag"]}
@@ -341,6 +349,9 @@ class S3Store(_errors.CloudRequests):
         if not response.get("ContentRange"):
             data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
         return data
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return copy_into(buffer, self.read_range(key, start, len(buffer)))
 
     def put(
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
