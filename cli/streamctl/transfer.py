@@ -3,7 +3,8 @@
 How it moves bytes: every file is split into parts; parts are read with ranged reads and uploaded as
 multipart parts by one pool of worker threads, so downloads overlap uploads and several files move at
 once. A byte budget (`max_buffer`) is taken before a part is read and given back after it is uploaded,
-so memory never grows with the model. Each file's sha256 is computed in flight, in part order, and
+so memory never grows with the model; each part is read into a reused buffer (uploads.PartBuffers),
+hashed and sent from it without a copy. Each file's sha256 is computed in flight, in part order, and
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
 of small files); otherwise it is aborted and the file retried once from scratch.
 

@@ -6,7 +6,8 @@ client talks to the emulator with anonymous credentials and a project from GOOGL
 Multipart uploads: the SDK's parallel upload path (XML multipart, `transfer_manager.upload_chunks_concurrently`)
 is not served by the emulator, so parts are uploaded as temporary objects under
 `DIR/.streamctl-tmp/{upload_id}/NAME/` (the one temporary form of storage/base.py; never under the final
-name) and joined with `compose`. Compose takes at
+name) and joined with `compose`. Each part object is one media upload sent straight from the caller's
+buffer and checked by CRC32C against what the service stored (`_upload_part_object`). Compose takes at
 most 32 sources per call, so larger uploads are composed as a tree, each level in parallel, into temporary
 intermediates; only the last compose writes the final key, with its metadata, so nothing is visible under the
 key until `complete()` returns. Temporary objects are then deleted; `list()` hides exactly that shape so an
