@@ -314,7 +314,6 @@ class AzureMultipartUpload:
 
     def upload_part(self, index: int, data: bytes | memoryview) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
-        data = bytes(data)  # the SDK takes bytes, str or a stream (no-op for bytes)
         with self.store._guard(Op.WRITE, self.key):
             blob = self.store._blob(self.key)
             self.store._call(
