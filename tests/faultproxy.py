@@ -3,7 +3,8 @@
 Faults are chosen by connection number, so a test gets the same faults on every run. A 503 is sent as
 soon as the request head has arrived (the body is not read: the client may also see a broken pipe, as
 with a real overloaded front end); a reset forwards `reset_after` bytes of the request, then closes the
-socket with SO_LINGER 0 so the client gets ECONNRESET.
+socket with SO_LINGER 0 so the client gets ECONNRESET; a corruption flips one byte of what the client
+sends, `corrupt_at` bytes into the connection (inside a request body, for uploads of more than that).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class FaultProxy:
     fail_503: frozenset[int] = frozenset()  # connection numbers (from 1) answered with a 503
     reset: frozenset[int] = frozenset()  # connection numbers reset after `reset_after` request bytes
     reset_after: int = 64 * 1024
+    corrupt: frozenset[int] = frozenset()  # connection numbers whose request bytes get one byte flipped
+    corrupt_at: int = 64 * 1024
     port: int = 0
     connections: int = 0
     faults: int = 0
@@ -69,7 +72,7 @@ class FaultProxy:
             return
         limit = self.reset_after if number in self.reset else None
         threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
-        self._pump(client, upstream, limit)
+        self._pump(client, upstream, limit, self.corrupt_at if number in self.corrupt else None)
 
     def _answer_503(self, client: socket.socket) -> None:
         with self._lock:
@@ -87,13 +90,19 @@ class FaultProxy:
         finally:
             client.close()
 
-    def _pump(self, source: socket.socket, target: socket.socket, limit: int | None) -> None:
+    def _pump(self, source: socket.socket, target: socket.socket, limit: int | None, flip: int | None = None) -> None:
         sent = 0
         try:
             while True:
                 data = source.recv(65536)
                 if not data:
                     break
+                if flip is not None and sent <= flip < sent + len(data):
+                    changed = bytearray(data)
+                    changed[flip - sent] ^= 0xFF
+                    data = bytes(changed)
+                    with self._lock:
+                        self.faults += 1
                 target.sendall(data)
                 sent += len(data)
                 if limit is not None and sent >= limit:

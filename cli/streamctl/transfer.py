@@ -3,7 +3,8 @@
 How it moves bytes: every file is split into parts; parts are read with ranged reads and uploaded as
 multipart parts by one pool of worker threads, so downloads overlap uploads and several files move at
 once. A byte budget (`max_buffer`) is taken before a part is read and given back after it is uploaded,
-so memory never grows with the model. Each file's sha256 is computed in flight, in part order, and
+so memory never grows with the model; each part is read into a reused buffer (uploads.PartBuffers),
+hashed and sent from it without a copy. Each file's sha256 is computed in flight, in part order, and
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
 of small files); otherwise it is aborted and the file retried once from scratch.
 
@@ -82,6 +83,7 @@ from streamctl.uploads import (
     ByteBudget,
     Cancelled,
     CopiedFile,
+    PartBuffers,
     check_part_size,
     discard_unfinished_uploads,
     list_dest,
@@ -229,7 +231,7 @@ class Digests:
     def __post_init__(self) -> None:
         self.git_sha1 = hashlib.sha1(b"blob %d\x00" % self.size)
 
-    def update(self, data: bytes) -> None:
+    def update(self, data: bytes | memoryview) -> None:
         self.sha256.update(data)
         if self.with_git_sha1:
             self.git_sha1.update(data)
@@ -465,7 +467,7 @@ class _HashChain:
     failed: bool = False
     condition: threading.Condition = field(default_factory=threading.Condition)
 
-    def feed(self, index: int, data: bytes, cancelled: threading.Event) -> None:
+    def feed(self, index: int, data: bytes | memoryview, cancelled: threading.Event) -> None:
         with self.condition:
             while self.next_index != index:
                 if self.failed or cancelled.is_set():
@@ -494,6 +496,7 @@ class _Engine:
     open_uploads: dict[int, MultipartUpload] = field(default_factory=dict)  # by id(): uploads need not be hashable
     lock: threading.Lock = field(default_factory=threading.Lock)
     bytes_sent: int = 0
+    buffers: PartBuffers = field(default_factory=PartBuffers)
     bytes_reused: int = 0  # parts an earlier run left at DEST that matched the source: not sent again
     origin: Mapping[str, object] = field(default_factory=dict)  # the plan's source and commit (resume tokens)
 
@@ -519,6 +522,12 @@ class _Engine:
         if len(data) != length:
             raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
         return data
+
+    def _read_into(self, path: str, start: int, buffer: memoryview) -> None:
+        key = self.source.key(path)
+        read = self._retry(lambda: self.source.store.read_range_into(key, start, buffer), f"read of {path}")
+        if read != len(buffer):
+            raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
 
     def _sent(self, task: int, amount: int) -> None:
         with self.lock:
@@ -614,12 +623,19 @@ class _Engine:
         try:
             if self.cancelled.is_set() or chain.failed:
                 raise Cancelled()
-            data = self._read(file.path, start, length)
-            chain.feed(index, data, self.cancelled)
-            if at_dest is not None and at_dest.matches(data):
-                self._reused(task, length)  # an earlier run sent these very bytes: read and hashed, not sent
-                return
-            self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
+            # Read, hash and send from one reused buffer: no copy of the part, no fresh pages per part.
+            buffer = self.buffers.take(upload.part_size)  # the last part too: one size, reused
+            try:
+                view = memoryview(buffer)[:length]
+                self._read_into(file.path, start, view)
+                data = view.toreadonly()  # what the SDKs see (some take read-only buffers only)
+                chain.feed(index, data, self.cancelled)
+                if at_dest is not None and at_dest.matches(data):
+                    self._reused(task, length)  # an earlier run sent these very bytes: read and hashed, not sent
+                    return
+                self._retry(lambda: upload.upload_part(index, data), f"part {index} of {file.path}")
+            finally:
+                self.buffers.give(buffer)
             self._sent(task, length)
         finally:
             self.budget.release(held)

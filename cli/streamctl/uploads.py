@@ -59,6 +59,31 @@ class ByteBudget:
             self._condition.notify_all()
 
 
+class PartBuffers:
+    """Reusable part buffers, so a part's bytes land in pages already touched: a fresh multi-MiB buffer per
+    part costs a page fault and a zeroed page per 4 KiB (large allocations are mmap'd, see
+    streamctl.memory). How many exist is bounded by the ByteBudget their holders took first: a buffer is
+    taken only with a part's share of the budget held, and given back before that share is."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[bytearray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> bytearray:
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            # None of this size is idle: free the idle ones of other sizes (a file whose part size was
+            # raised), so that a new buffer is only ever made beside busy ones, which the budget bounds.
+            self._free = {}
+        return bytearray(size)
+
+    def give(self, buffer: bytearray) -> None:
+        with self._lock:
+            self._free.setdefault(len(buffer), []).append(buffer)
+
+
 _SERVICE_NAMES = {"s3": "S3", "gs": "GCS", "az": "Azure Blob", "file": "a local folder"}
 
 

@@ -232,6 +232,17 @@ def test_iter_range_resumes_after_a_truncated_body(fake_hub: FakeHub) -> None:
     assert 0 < resumed_at < len(data)  # the second request asked only for what was missing
 
 
+def test_read_range_into_resumes_after_a_truncated_body(fake_hub: FakeHub) -> None:
+    data = bytes(range(251)) * 4000  # ~1 MB, LFS (.bin)
+    fake_hub.add_repo("org/big", {"shard.bin": data})
+    fake_hub.fail("shard.bin", kind="truncate", role="cdn")
+    store = store_of("hf://org/big")
+    buffer = bytearray(len(data) + 10)
+    assert store.read_range_into("shard.bin", 0, memoryview(buffer)) == len(data)  # the file ends first
+    assert buffer[: len(data)] == data and buffer[len(data) :] == bytes(10)
+    assert fake_hub.count("shard.bin", role="cdn", method="GET") == 2  # resumed, not started again
+
+
 @pytest.mark.parametrize("kind", ["503", "reset"])
 def test_transient_failures_are_retried(fake_hub: FakeHub, model: FakeRepo, kind: str) -> None:
     fake_hub.fail("config.json", times=2, kind=kind)  # type: ignore[arg-type]

@@ -173,6 +173,41 @@ def test_read_range_edges(any_root: str) -> None:
         read(key, -1, 5)
 
 
+def test_read_range_into_fills_a_buffer_as_read_range_answers(any_root: str) -> None:
+    root = open_root(any_root)
+    key = root.key("range-into.bin")
+    data = random.Random(5).randbytes(3 * 65536 + 17)
+    root.store.put(key, data)
+
+    def read_into(start: int, size: int) -> bytes:
+        buffer = bytearray(b"\xaa" * (size + 8))  # 8 guard bytes past the view: never written
+        count = root.store.read_range_into(key, start, memoryview(buffer)[:size])
+        assert buffer[size:] == b"\xaa" * 8
+        assert bytes(buffer[count:size]) == b"\xaa" * (size - count)  # nothing written past what was read
+        return bytes(buffer[:count])
+
+    for start, size in [(0, 0), (0, len(data)), (5, 65536), (len(data) - 3, 3), (len(data) - 3, 10),
+                        (len(data), 5), (len(data) + 100, 5), (0, len(data) + 4096)]:  # fmt: skip
+        assert read_into(start, size) == root.store.read_range(key, start, size) == data[start : start + size]
+
+
+def test_parts_sent_from_one_reused_buffer(any_root: str) -> None:
+    """The transfer engine reads, hashes and sends every part from one reused buffer, as a read-only view:
+    each store must accept the view and keep nothing of it once upload_part returns."""
+    root = open_root(any_root)
+    key = root.key("reused/model.safetensors")
+    part_size, parts = _parts(root.store.min_part_size, 3, 4321)
+    buffer = bytearray(part_size)
+    upload = root.store.start_multipart(key, part_size)
+    for index, part in enumerate(parts):
+        view = memoryview(buffer)[: len(part)]
+        view[:] = part
+        upload.upload_part(index, view.toreadonly())
+        buffer[:] = b"\x00" * part_size  # the next part overwrites it: what was sent must already be gone
+    upload.complete()
+    assert root.store.read_range(key, 0, part_size * 4) == b"".join(parts)
+
+
 def test_read_range_of_empty_object(any_root: str) -> None:
     root = open_root(any_root)
     key = root.key("empty")

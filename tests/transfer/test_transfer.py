@@ -31,7 +31,7 @@ from streamctl.transfer import (
     execute_transfer,
     plan_transfer,
 )
-from streamctl.uploads import part_size_for
+from streamctl.uploads import PartBuffers, part_size_for
 from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024
@@ -147,6 +147,43 @@ def test_source_resolution_and_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyP
 def test_max_buffer_smaller_than_part_is_refused() -> None:
     with pytest.raises(UsageError, match="max-buffer"):
         TransferOptions(part_size=8 * MiB, max_buffer=4 * MiB).validate()
+
+
+def test_part_buffers_are_reused_and_idle_ones_of_another_size_freed() -> None:
+    buffers = PartBuffers()
+    first = buffers.take(8)
+    buffers.give(first)
+    assert buffers.take(8) is first  # reused: no fresh pages for the next part
+    second = buffers.take(8)
+    assert second is not first and len(second) == 8  # both busy: another one
+    buffers.give(first)
+    buffers.give(second)
+    assert len(buffers.take(16)) == 16  # another size: the idle 8-byte buffers are let go ...
+    fresh = buffers.take(8)
+    assert fresh is not first and fresh is not second  # ... so they hold no memory beside the busy ones
+
+
+def test_parts_move_through_reused_buffers_bounded_by_the_budget(
+    fake_hub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    files = model_files(big_bytes=31 * MiB)  # a 7-part first shard at 5 MiB parts
+    fake_hub.add_repo("org/buffers", files)
+    taken: list[int] = []
+    take = PartBuffers.take
+
+    def counted(self: PartBuffers, size: int) -> bytearray:
+        buffer = take(self, size)
+        taken.append(id(buffer))
+        return buffer
+
+    monkeypatch.setattr(PartBuffers, "take", counted)
+    transfer("hf://org/buffers", str(tmp_path / "dest"))
+    assert len(taken) == 7  # every part of the big shard read into a pooled buffer
+    assert len(set(taken)) <= OPTIONS.max_buffer // OPTIONS.part_size  # 4: never more than the budget holds
+    assert (
+        read_all(open_location(str(tmp_path / "dest")), "model-00001-of-00002.safetensors")
+        == files["model-00001-of-00002.safetensors"]
+    )
 
 
 # ------------------------------------------------------------------------------------------ hub to buckets

@@ -44,6 +44,7 @@ from streamctl.storage.base import (
     StorageOptions,
     UnfinishedUpload,
     content_type_for,
+    copy_into,
     new_temporary_token,
     part_digest,
 )
@@ -327,7 +328,7 @@ class AzureMultipartUpload:
     _state: str = "open"  # "open", "completed" or "aborted"
     _held: list[HeldPart] = field(default_factory=list)
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
         block = block_id(self.nonce, index, part_digest("crc32", data))
         with self.store._guard(Op.WRITE, self.key):
@@ -484,6 +485,9 @@ class AzureStore(_errors.CloudRequests):
                 if getattr(error, "status_code", None) == 416:
                     return b""  # the range starts at or after the end of the blob
                 raise
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return copy_into(buffer, self.read_range(key, start, len(buffer)))
 
     def put(
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None

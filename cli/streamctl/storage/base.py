@@ -179,10 +179,11 @@ class MultipartUpload(Protocol):
     key: str
     part_size: int
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         """Send part `index` (0-based). Every part but the last is exactly `part_size` bytes.
 
-        Parts may be sent in any order and from several threads at once.
+        Parts may be sent in any order and from several threads at once. `data` may be a view of a buffer
+        the caller reuses once the call returns: keep no reference to it.
         """
         ...
 
@@ -252,6 +253,12 @@ class Store(Protocol):
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """Bytes [start, start+length) of the object; fewer when the object ends first."""
+        ...
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        """Bytes [start, start+len(buffer)) of the object written into `buffer`; returns how many (fewer when
+        the object ends first). For part-sized reads into a reused buffer: where the SDK allows, the body goes
+        from the socket into `buffer` without the copies (and fresh pages) a joined `bytes` costs."""
         ...
 
     def put(
@@ -396,6 +403,14 @@ class SmallObjectError(Exception):
     @property
     def too_large(self) -> bool:
         return self.read is None
+
+
+def copy_into(buffer: memoryview, data: bytes) -> int:
+    """`data` (what a `read_range` of `len(buffer)` bytes returned) into `buffer`; its length: the
+    `read_range_into` of stores whose SDK hands back bytes."""
+    count = min(len(data), len(buffer))
+    buffer[:count] = memoryview(data)[:count]
+    return count
 
 
 def read_small_object(location: Location, name: str, size: int, limit: int) -> bytes:

@@ -216,15 +216,43 @@ class HfStore:
     # -- reading -----------------------------------------------------------------------------------------------
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        return b"".join(self.iter_range(key, start, length, chunk_size=max(1, min(length, 8 * MiB))))
+        pieces: list[bytes] = []
+        for _ in self._ranged(key, start, length, None, pieces.append):
+            pass
+        return b"".join(pieces)
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        # Each piece as the network gave it, copied once into place: re-chunking (httpx's ByteChunker)
+        # and joining cost ~1.3 CPU s/GB more, measured on 16 MiB parts from the fake hub.
+        filled = 0
+
+        def place(piece: bytes) -> None:
+            nonlocal filled
+            buffer[filled : filled + len(piece)] = piece
+            filled += len(piece)
+
+        for _ in self._ranged(key, start, len(buffer), None, place):
+            pass
+        return filled
 
     def iter_range(self, key: str, start: int, length: int, chunk_size: int = MiB) -> Iterator[bytes]:
         """Bytes [start, start+length) of `key` as one streamed GET, `chunk_size` at a time (fewer when the
         file ends first). A connection lost mid-body is resumed from the last byte received, up to
         `max_attempts` times, so callers can hash what they receive without seeing a duplicate byte."""
+        if chunk_size <= 0:
+            raise UsageError(f"invalid chunk size {chunk_size}")
+        return self._ranged(key, start, length, chunk_size, None)
+
+    def _ranged(
+        self, key: str, start: int, length: int, chunk_size: int | None, consume: Callable[[bytes], None] | None
+    ) -> Iterator[bytes]:
+        """iter_range's loop. With `consume`, every piece of a GET's body goes to it (as the network delivers
+        it, `chunk_size` None) INSIDE that GET's deadline, and nothing is yielded: the whole body is timed,
+        and a piece costs no scope entry. Without, chunks are yielded and the caller's work between them
+        runs outside the deadline."""
         check_key(key)
-        if start < 0 or length < 0 or chunk_size <= 0:
-            raise UsageError(f"invalid range {start}+{length} (chunk size {chunk_size})")
+        if start < 0 or length < 0:
+            raise UsageError(f"invalid range {start}+{length}")
         _, info = self._cached(key)
         if info is not None:  # the size is known: never ask for bytes past the end (a 416)
             length = max(0, min(length, info.size - start))
@@ -238,6 +266,10 @@ class HfStore:
                 while True:
                     with deadlines.entered(scope):
                         chunk = next(chunks, None)
+                        while consume is not None and chunk is not None:
+                            consume(chunk)
+                            position += len(chunk)
+                            chunk = next(chunks, None)
                     if chunk is None:
                         return  # the range is complete, or the file ended first
                     position += len(chunk)
@@ -254,7 +286,7 @@ class HfStore:
                 deadlines.leave(scope)
             time.sleep(self.retry_wait * 2 ** (failures - 1))
 
-    def _stream(self, key: str, start: int, length: int, chunk_size: int) -> Generator[bytes, None, None]:
+    def _stream(self, key: str, start: int, length: int, chunk_size: int | None) -> Generator[bytes, None, None]:
         """One ranged GET; status retries (5xx, 429) inside huggingface_hub's back-off, network errors raised."""
         url = hf_hub_url(self.repo_id, key, repo_type=self.repo_type, revision=self.commit)
         headers = build_hf_headers(token=self.token, library_name="streamctl", library_version=__version__)

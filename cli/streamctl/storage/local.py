@@ -275,7 +275,7 @@ class LocalMultipartUpload:
     def temporary_path(self) -> Path:
         return self.final_path.parent / TEMPORARY_FOLDER / self.token / self.final_path.name
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         self.write_at(index * self.part_size, data)
 
     def write_at(self, offset: int, data: bytes | memoryview) -> None:
@@ -634,6 +634,24 @@ class LocalStore:
                 offset += len(chunk)
                 left -= len(chunk)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        except OSError as error:
+            raise _map_os_error(error, path) from None
+        finally:
+            os.close(fd)
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        if start < 0:
+            raise UsageError(f"invalid range {start}+{len(buffer)}")
+        path, fd, _ = self._open_regular(key)
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        filled = 0
+        try:
+            while filled < len(view):
+                count = os.preadv(fd, [view[filled : filled + (1 << 30)]], start + filled)
+                if not count:
+                    break
+                filled += count
+            return filled
         except OSError as error:
             raise _map_os_error(error, path) from None
         finally:

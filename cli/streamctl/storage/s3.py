@@ -38,6 +38,7 @@ from streamctl.storage.base import (
     StorageOptions,
     UnfinishedUpload,
     content_type_for,
+    copy_into,
     parse_temporary_key,
     temporary_key,
 )
@@ -235,8 +236,9 @@ class S3MultipartUpload:
                 expected_bytes,
             )
 
-    def upload_part(self, index: int, data: bytes) -> None:
+    def upload_part(self, index: int, data: bytes | memoryview) -> None:
         _errors.check_part(self.store.url(self.key), self._state, index, self.store.max_parts)
+        data = bytes(data)  # botocore takes bytes or a file (no-op for bytes)
         extra = {"ChecksumAlgorithm": self.checksum_algorithm} if self.checksum_algorithm else {}
         response = self._request("upload_part", len(data), PartNumber=index + 1, Body=data, **extra)
         part = {"PartNumber": index + 1, "ETag": response["ETag"]}
@@ -402,6 +404,9 @@ class S3Store(_errors.CloudRequests):
         if not response.get("ContentRange"):
             data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
         return data
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        return copy_into(buffer, self.read_range(key, start, len(buffer)))
 
     def put(
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
