@@ -364,10 +364,7 @@ class FencedStore:
         content_type: str | None = None,
         resume: str | None = None,
     ) -> MultipartUpload:
-        if resume is None:  # as writers that never resume (shard) call it
-            upload = self.store.start_multipart(key, part_size, metadata, content_type)
-        else:
-            upload = self.store.start_multipart(key, part_size, metadata, content_type, resume)
+        upload = self.store.start_multipart(key, part_size, metadata, content_type, resume)
         complete = upload.complete
 
         def guarded_complete(metadata: Mapping[str, str] | None = None) -> ObjectInfo:

@@ -51,7 +51,7 @@ def parse_size(text: str, option: str = "size", maximum: int | None = None) -> i
         raise UsageError(f"{option} must be positive, got {text!r}", code="bad-option-value")
     if maximum is not None and value > maximum:
         raise UsageError(
-            f"{option} must be at most {_binary(maximum)}, got {text[:40]!r}{'...' if len(text) > 40 else ''}",
+            f"{option} must be at most {binary_size(maximum)}, got {text[:40]!r}{'...' if len(text) > 40 else ''}",
             code="bad-option-value",
         )
     return value
@@ -59,10 +59,6 @@ def parse_size(text: str, option: str = "size", maximum: int | None = None) -> i
 
 def binary_size(count: int) -> str:
     """`count` bytes in the largest binary unit that divides it exactly (5 MiB, 10,000 bytes)."""
-    return _binary(count)
-
-
-def _binary(count: int) -> str:
     for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if count >= size and count % size == 0:
             return f"{count // size:,} {unit}"

@@ -17,6 +17,7 @@ from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.sizes import binary_size
 from streamctl.storage.base import Location, MiB, ObjectInfo, Store
+from streamctl.storage.schemes import SCHEMES
 
 SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries
 
@@ -84,11 +85,9 @@ class PartBuffers:
             self._free.setdefault(len(buffer), []).append(buffer)
 
 
-_SERVICE_NAMES = {"s3": "S3", "gs": "GCS", "az": "Azure Blob", "file": "a local folder"}
-
-
 def _service(store: Store) -> str:
-    return _SERVICE_NAMES.get(store.scheme, store.scheme)
+    scheme = SCHEMES.get(store.scheme)
+    return scheme.service if scheme is not None else store.scheme  # test stand-ins may name their own
 
 
 def check_part_size(requested: int, store: Store, option: str = "--part-size") -> None:

@@ -87,8 +87,10 @@ class FailingWrites:
         self.write()
         return self.inner.put(key, data, metadata, content_type)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
         outer = self
 
         class Upload:

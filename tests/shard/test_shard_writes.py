@@ -88,40 +88,11 @@ def test_force_replaces_old_weights(tmp_path: Path) -> None:
     ]
 
 
-class FailingStore:
-    """Wraps a store; the Nth part upload raises, as a full disk or a dropped link would."""
-
-    def __init__(self, inner: Any, fail_at: int) -> None:
-        self.inner, self.fail_at, self.parts = inner, fail_at, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
-        outer = self
-
-        class Upload:
-            def __getattr__(self, name: str) -> Any:
-                return getattr(upload, name)
-
-            def upload_part(self, index: int, data: bytes) -> None:
-                outer.parts += 1
-                if outer.parts == outer.fail_at:
-                    raise UsageError("injected failure")
-                upload.upload_part(index, data)
-
-            def positional_writer(self) -> None:
-                return None  # parts only, so every byte passes upload_part (not the local file's writes)
-
-        return Upload()
-
-
 @pytest.mark.parametrize("fail_at", [1, 5])
 def test_a_failure_mid_way_leaves_nothing_under_a_final_name(tmp_path: Path, fail_at: int) -> None:
     write_model(tmp_path / "hf", "llama-gqa")
     dest = open_location(str(tmp_path / "out"))
-    failing = Location(FailingStore(dest.store, fail_at), dest.prefix)  # type: ignore[arg-type]
+    failing = Location(CountingParts(dest.store, positional=False, fail_at=fail_at), dest.prefix)  # type: ignore[arg-type]
     with pytest.raises(UsageError, match="injected failure"):
         shard_checkpoint(
             open_location(str(tmp_path / "hf")), failing, ShardOptions(tensor_parallel_size=2, max_part_size=3000)
@@ -132,16 +103,19 @@ def test_a_failure_mid_way_leaves_nothing_under_a_final_name(tmp_path: Path, fai
 
 class CountingParts:
     """Wraps a store: counts the parts its uploads are sent in; `positional` False hides the uploads'
-    positional writer, as a store without one would."""
+    positional writer, as a store without one would; the `fail_at`-th part raises, as a full disk or a
+    dropped link would."""
 
-    def __init__(self, inner: Any, positional: bool) -> None:
-        self.inner, self.positional, self.parts = inner, positional, 0
+    def __init__(self, inner: Any, positional: bool, fail_at: int | None = None) -> None:
+        self.inner, self.positional, self.fail_at, self.parts = inner, positional, fail_at, 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def start_multipart(self, key: str, part_size: int, metadata: Any = None, content_type: Any = None) -> Any:
-        upload = self.inner.start_multipart(key, part_size, metadata, content_type)
+    def start_multipart(
+        self, key: str, part_size: int, metadata: Any = None, content_type: Any = None, resume: Any = None
+    ) -> Any:
+        upload = self.inner.start_multipart(key, part_size, metadata, content_type, resume)
         outer = self
 
         class Upload:
@@ -150,6 +124,8 @@ class CountingParts:
 
             def upload_part(self, index: int, data: bytes) -> None:
                 outer.parts += 1
+                if outer.parts == outer.fail_at:
+                    raise UsageError("injected failure")
                 upload.upload_part(index, data)
 
             def positional_writer(self) -> Any:

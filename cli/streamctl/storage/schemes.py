@@ -13,6 +13,7 @@ from dataclasses import dataclass
 class Scheme:
     name: str
     factory: str  # "module:function", a `(ParsedURL, StorageOptions) -> Store`
+    service: str  # what messages call it ("S3's smallest part")
     aliases: tuple[str, ...] = ()  # other spellings of SCHEME:// the parser accepts
     writable: bool = True  # False: a SOURCE only
     object_store: bool = False  # BUCKET/KEY addressing; the streamer reads `SCHEME://BUCKET/KEY`
@@ -21,12 +22,12 @@ class Scheme:
 SCHEMES: dict[str, Scheme] = {
     scheme.name: scheme
     for scheme in (
-        Scheme("file", "streamctl.storage.local:open_store"),  # also a plain path
-        Scheme("s3", "streamctl.storage.s3:open_store", object_store=True),
-        Scheme("gs", "streamctl.storage.gcs:open_store", aliases=("gcs",), object_store=True),
+        Scheme("file", "streamctl.storage.local:open_store", "a local folder"),  # also a plain path
+        Scheme("s3", "streamctl.storage.s3:open_store", "S3", object_store=True),
+        Scheme("gs", "streamctl.storage.gcs:open_store", "GCS", aliases=("gcs",), object_store=True),
         # also https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX
-        Scheme("az", "streamctl.storage.azure:open_store", object_store=True),
-        Scheme("hf", "streamctl.storage.hf:open_store", writable=False),
+        Scheme("az", "streamctl.storage.azure:open_store", "Azure Blob", object_store=True),
+        Scheme("hf", "streamctl.storage.hf:open_store", "the Hugging Face Hub", writable=False),
     )
 }
 ALIASES: dict[str, str] = {alias: scheme.name for scheme in SCHEMES.values() for alias in scheme.aliases}
