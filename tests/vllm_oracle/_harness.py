@@ -151,9 +151,10 @@ def make_vllm_config(
     load_format: str = "auto",
     pattern: str | None = None,
     model_weights: str | None = None,
+    ep: bool = False,
 ) -> Any:
     """A fresh VllmConfig (one per model instance: attention layers register their names in it)."""
-    from vllm.config import LoadConfig, ModelConfig, VllmConfig
+    from vllm.config import LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     extra: dict[str, Any] = {"pattern": pattern} if pattern is not None else {}  # vLLM's default is {}
     model_config = ModelConfig(
@@ -165,6 +166,7 @@ def make_vllm_config(
     return VllmConfig(
         model_config=model_config,
         load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra),
+        parallel_config=ParallelConfig(enable_expert_parallel=ep),  # EP: experts split over the TP ranks
     )
 
 
@@ -200,12 +202,12 @@ def load_hf_tensors(hf_dir: str) -> dict[str, Any]:
     return tensors
 
 
-def reference_model(hf_dir: str, dtype: str, tensors: dict[str, Any]) -> tuple[Any, Any]:
+def reference_model(hf_dir: str, dtype: str, tensors: dict[str, Any], ep: bool = False) -> tuple[Any, Any]:
     """The current rank's model loaded from the HF checkpoint by the model's own `load_weights`."""
     import torch
     from vllm.config import set_current_vllm_config
 
-    vllm_config = make_vllm_config(hf_dir, dtype)
+    vllm_config = make_vllm_config(hf_dir, dtype, ep=ep)
     model = build_model(vllm_config)
     with set_current_vllm_config(vllm_config), torch.no_grad():
         model.load_weights(iter(tensors.items()))

@@ -49,7 +49,18 @@ def _file_header_errors(files: list[str], reference: dict[str, Any], warnings: l
     """Exact name/shape/dtype checks of one rank's files against the reference state dict."""
     from safetensors import safe_open
 
-    dtype_names = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+    dtype_names = {
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F32": "float32",
+        "F64": "float64",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "I8": "int8",
+        "U8": "uint8",
+        "I32": "int32",
+        "I64": "int64",
+    }
     errors: list[str] = []
     seen: dict[str, str] = {}  # tensor name -> file, within this rank
     for path in files:
@@ -104,12 +115,17 @@ def check_rank(job: dict[str, Any], tensors: dict[str, Any], claimed: set[str]) 
     from vllm.model_executor.model_loader import get_model_loader
 
     result: dict[str, Any] = {"ok": False, "errors": [], "warnings": [], "tensors": 0, "files": []}
-    reference_model, _ = h.reference_model(job["hf_dir"], job["dtype"], tensors)
+    reference_model, _ = h.reference_model(job["hf_dir"], job["dtype"], tensors, ep=job["ep"])
     reference = h.filtered_state_dict(reference_model)
     result["tensors"] = len(reference)
 
     candidate_config = h.make_vllm_config(
-        job["hf_dir"], job["dtype"], job["load_format"], job["pattern"], model_weights=job["sharded_dir"]
+        job["hf_dir"],
+        job["dtype"],
+        job["load_format"],
+        job["pattern"],
+        model_weights=job["sharded_dir"],
+        ep=job["ep"],
     )
     try:
         files = h.rank_files(job["sharded_dir"], job["pattern"])
@@ -158,6 +174,7 @@ def check_job(job: dict[str, Any]) -> dict[str, Any]:
         "pattern": None,
         "dtype": None,
         "load_format": "runai_streamer_sharded",
+        "ep": False,
         **job,
     }
     document: dict[str, Any] = {

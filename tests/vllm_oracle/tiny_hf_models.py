@@ -1,0 +1,174 @@
+"""Tiny random HF checkpoints of many architectures, written by transformers itself (vLLM oracle venv only).
+
+    tiny_hf_models.py OUT_ROOT [KIND ...]     # writes OUT_ROOT/KIND/ (config.json + model.safetensors)
+
+Issue 12 spike: the architectures the offline table does not cover. hidden 64, 3 layers, 4 heads, 2 KV heads,
+4 experts, vocab 128; bfloat16 (vLLM refuses float16 for Gemma 2/3).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def configs() -> dict[str, Any]:
+    from transformers import (
+        DeepseekV2Config,
+        Gemma2Config,
+        Gemma3Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2MoeConfig,
+        Qwen2VLConfig,
+        Qwen3MoeConfig,
+        SiglipVisionConfig,
+    )
+
+    return {
+        "llama": lambda: LlamaConfig(**COMMON),
+        "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, head_dim=16, decoder_sparse_step=1),
+        "qwen2-moe": lambda: Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=64),
+        "deepseek-v2": lambda: DeepseekV2Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=None,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+            topk_method="greedy",
+        ),
+        "gemma2": lambda: Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16),
+        "gemma3-text": lambda: Gemma3TextConfig(
+            **{**COMMON, "tie_word_embeddings": True}, head_dim=16, sliding_window_pattern=2
+        ),
+        "gemma3-mm": lambda: Gemma3Config(
+            text_config=Gemma3TextConfig(**COMMON, head_dim=16),
+            vision_config=SiglipVisionConfig(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                image_size=32,
+                patch_size=8,
+                vision_use_head=False,
+            ),
+            mm_tokens_per_image=4,
+            image_token_index=127,
+            boi_token_index=125,
+            eoi_token_index=126,
+        ),
+        "phi3": lambda: Phi3Config(
+            **{**COMMON, "num_key_value_heads": 4}, pad_token_id=0, bos_token_id=1, eos_token_id=2
+        ),
+        "qwen2-vl": lambda: Qwen2VLConfig(
+            text_config={
+                **COMMON,
+                "vocab_size": 160,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+            },
+            vision_config={
+                "depth": 2,
+                "embed_dim": 32,
+                "hidden_size": 64,
+                "num_heads": 2,
+                "mlp_ratio": 2,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "in_channels": 3,
+            },
+            image_token_id=151,
+            video_token_id=152,
+            vision_start_token_id=153,
+            vision_end_token_id=154,
+            tie_word_embeddings=False,
+        ),
+        # wide enough for FP8 blocks of [128, 128] (vLLM's CPU FP8 kernel wants K block 128)
+        "llama-wide": lambda: LlamaConfig(
+            **{
+                **COMMON,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 2,
+            }
+        ),
+        "mixtral-deep": lambda: MixtralConfig(
+            **{**COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 32, "vocab_size": 1024},
+            num_local_experts=8,
+            num_experts_per_tok=2,
+        ),
+        # many thin layers: the bounded-memory measurement
+        "llama-deep": lambda: LlamaConfig(
+            **{
+                **COMMON,
+                "hidden_size": 512,
+                "intermediate_size": 1536,
+                "num_hidden_layers": 48,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 8,
+                "vocab_size": 1024,
+            }
+        ),
+    }
+
+
+def write(root: str, kind: str) -> str:
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = configs()[kind]()
+    dtype = torch.float32 if kind.endswith("-deep") else torch.bfloat16
+    cls = {"gemma3-mm": Gemma3ForConditionalGeneration, "qwen2-vl": Qwen2VLForConditionalGeneration}.get(
+        kind, AutoModelForCausalLM
+    )
+    model = cls._from_config(config, dtype=dtype) if hasattr(cls, "_from_config") else cls.from_config(config)
+    model = model.to(dtype)
+    out = os.path.join(root, kind)
+    model.save_pretrained(out, safe_serialization=True)
+    if kind == "gemma3-mm":  # transformers 5.20 saves `vision_tower.X`; Hub checkpoints (and vLLM) use
+        from safetensors.torch import load_file, save_file  # `vision_tower.vision_model.X`
+
+        path = os.path.join(out, "model.safetensors")
+        tensors = load_file(path)
+        renamed = {
+            ("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k): v
+            for k, v in tensors.items()
+        }
+        save_file(renamed, path, metadata={"format": "pt"})
+    return out
+
+
+if __name__ == "__main__":
+    names = sys.argv[2:] or [k for k in configs() if not k.endswith(("-deep", "-wide"))]
+    for name in names:
+        try:
+            print(write(sys.argv[1], name), flush=True)
+        except Exception as error:  # noqa: BLE001
+            print(f"{name}: FAILED {type(error).__name__}: {error}", flush=True)
