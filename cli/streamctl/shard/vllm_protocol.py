@@ -25,6 +25,8 @@ parent -> worker ("op"):
            -> one "checked" frame (or "error").
   data     {"op": "data", "nbytes": n} + n bytes: ONLY as the answer to a "read" frame, exactly `length` bytes.
   EOF on stdin: the worker exits 0.
+  One worker serves any number of plan/write/check sequences, one model after another (vLLM is imported
+  and initialised once per process, ~6 s): each "plan" starts afresh; "write" and "check" refer to the last plan.
 
 worker -> parent ("type"):
   read     {"type": "read", "file", "offset", "length"}: the parent answers with one "data" frame at once.
