@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -51,6 +51,7 @@ class LoaderCheckReport:
     loader: str
     ranks: tuple[Mapping[str, Any], ...]  # {"pp_rank", "tp_rank", "ok", "tensors", "problems", "skipped"}
     peak_rss_mib: float | None = None
+    missing: tuple[tuple[int, int], ...] = ()  # (pp_rank, tp_rank) written by this run that the worker did not check
 
     @property
     def checked(self) -> int:
@@ -58,7 +59,8 @@ class LoaderCheckReport:
 
     @property
     def problems(self) -> tuple[str, ...]:
-        return tuple(
+        unchecked = tuple(f"PP stage {pp}, TP rank {tp}: written but not loaded by vLLM" for pp, tp in self.missing)
+        return unchecked + tuple(
             f"PP stage {rank.get('pp_rank')}, TP rank {rank.get('tp_rank')}: {problem}"
             for rank in self.ranks
             for problem in (
@@ -72,15 +74,22 @@ class LoaderCheckReport:
             "loader": self.loader,
             "ranks_checked": self.checked,
             "ranks": [dict(rank) for rank in self.ranks],
+            "missing_ranks": [list(rank) for rank in self.missing],
             "peak_rss_mib": self.peak_rss_mib,
         }
 
     @classmethod
-    def from_frame(cls, frame: Mapping[str, Any]) -> LoaderCheckReport:
+    def from_frame(cls, frame: Mapping[str, Any], written: Iterable[tuple[int, int]]) -> LoaderCheckReport:
+        """The report of a "checked" frame; every rank in `written` (this run wrote some of its files; the
+        worker checks exactly those) must be in it, loaded or skipped for memory."""
         ranks = tuple(rank for rank in frame.get("ranks") or [] if isinstance(rank, dict))
-        ok = bool(ranks) and all(bool(rank.get("ok")) or bool(rank.get("skipped")) for rank in ranks)
+        seen = {(rank.get("pp_rank"), rank.get("tp_rank")) for rank in ranks}
+        missing = tuple(sorted(rank for rank in set(written) if rank not in seen))
+        ok = not missing and all(bool(rank.get("ok")) or bool(rank.get("skipped")) for rank in ranks)
         peak = frame.get("peak_rss_mib")
-        return cls(ok, str(frame.get("loader", "")), ranks, float(peak) if isinstance(peak, (int, float)) else None)
+        return cls(
+            ok, str(frame.get("loader", "")), ranks, float(peak) if isinstance(peak, (int, float)) else None, missing
+        )
 
 
 @dataclass(frozen=True)

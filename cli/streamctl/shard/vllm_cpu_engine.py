@@ -460,11 +460,11 @@ class _Run:
         result = ShardResult(
             plan, "vllm-cpu", routed.files, copied, removed, routed.bytes_written, time.monotonic() - self.started,
             write_seconds, verify, None, discarded, self.notes, skipped,
-            tensor_check=digests, loader_check=self._loader_check(plan), engine_report=report,
+            tensor_check=digests, loader_check=self._loader_check(plan, routed), engine_report=report,
         )  # fmt: skip
         return record_result(dest, replace(result, seconds=time.monotonic() - self.started), self.lease)
 
-    def _loader_check(self, plan: ShardPlan) -> LoaderCheckReport | None:
+    def _loader_check(self, plan: ShardPlan, routed: RoutedWrite) -> LoaderCheckReport | None:
         """vLLM's own ShardedStateLoader on the written files, in the worker (local DEST only); ranks that
         would take more than half the memory available now are skipped by the worker."""
         folder = local_path(self.dest)
@@ -481,4 +481,4 @@ class _Run:
         frame = self.worker.receive(self.read_source)
         if frame.get("type") != "checked":
             raise self.worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")
-        return LoaderCheckReport.from_frame(frame)
+        return LoaderCheckReport.from_frame(frame, {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in routed.digests})
