@@ -21,6 +21,7 @@ from streamctl.shard import vllm_env
 from streamctl.shard.vllm_env import VllmPython, recipe_stamp, resolve_vllm_python, stamp_path
 
 CLI_DIR = Path(vllm_env.__file__).resolve().parents[2]
+REPO = CLI_DIR.parent
 
 
 class RecordingProgress:
@@ -216,6 +217,18 @@ def test_a_build_that_stops_half_way_is_not_taken_for_a_good_one(
     assert build.calls == ["0.33.0"]
 
 
+def test_a_rebuild_removes_a_stamped_environment_and_builds_it_again(tmp_path: Path) -> None:
+    build = _stand_in_build("0.33.0")
+    venv = tmp_path / "vllm-venv"
+    vllm_env.ensure_environment(venv, "0.33.0", RecordingProgress(), build=build)
+    (venv / "left-over").write_text("from the old build")
+    progress = RecordingProgress()
+    python = vllm_env.ensure_environment(venv, "0.33.0", progress, rebuild=True, build=build)
+    assert python == venv / "bin" / "python" and build.calls == ["0.33.0", "0.33.0"]
+    assert not (venv / "left-over").exists()
+    assert progress.lines == [f"removing {venv} to build it again"]
+
+
 def test_an_environment_that_answers_with_another_vllm_is_called_broken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,14 +304,7 @@ def _closed_port() -> int:
 def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    index = f"http://127.0.0.1:{_closed_port()}/simple"
-    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no pip.conf: no local wheels, no other index
-    monkeypatch.setenv("PIP_INDEX_URL", index)
-    monkeypatch.setenv("PIP_RETRIES", "0")
-    monkeypatch.setenv("PIP_TIMEOUT", "2")
-    monkeypatch.setenv(vllm_env.TORCH_INDEX_ENV, index)
+    index = unreachable_index_env(monkeypatch)
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
     venv = tmp_path / "vllm-0.33.0-cpu"
     stamp_path(venv).write_text("recipe=0\n")  # an older build's stamp: removed before anything is installed
@@ -320,6 +326,40 @@ def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
     # The next try starts from the half-made venv and fails the same way: still no stamp.
     with pytest.raises(RemoteError):
         resolve_vllm_python(None, None, RecordingProgress())
+    assert not stamp_path(venv).exists()
+
+
+def unreachable_index_env(monkeypatch: pytest.MonkeyPatch) -> str:
+    """pip pointed at a closed port on this host, with no pip.conf, local wheels or retries: fails in seconds."""
+    index = f"http://127.0.0.1:{_closed_port()}/simple"
+    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_NO_INDEX", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_INDEX_URL", index)
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.setenv(vllm_env.TORCH_INDEX_ENV, index)
+    return index
+
+
+def test_ci_vllm_env_is_the_same_recipe_and_reports_its_failure_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unreachable_index_env(monkeypatch)
+    monkeypatch.delenv(vllm_env.TORCH_INDEX_ENV)  # .ci/vllm-env's own default: pip's configuration
+    venv = tmp_path / "vllm-venv"
+    env = {**os.environ, "STREAMCTL_VLLM_VENV": str(venv), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(REPO / ".ci" / "vllm-env")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    lines = done.stderr.strip().splitlines()
+    assert lines[0] == f"vllm-env: creating a CPU-only vLLM 0.33.0 environment in {venv} (once; a few minutes)"
+    assert lines[1] == "vllm-env: torch 2.13.0, CPU build, from pip's configured index"
+    assert lines[-1].startswith(
+        "vllm-env: could not build a CPU-only vLLM 0.33.0 environment: the package index is unreachable"
+    )
+    assert any("from versions: none" in line for line in lines)  # pip's own words, kept
     assert not stamp_path(venv).exists()
 
 
