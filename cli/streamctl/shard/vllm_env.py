@@ -205,7 +205,9 @@ def ensure_environment(
         )
     if not is_built(venv, stamp):
         raise MissingProgramError(
-            f"the vLLM environment {venv} was not stamped after its build", hint=_BUILD_HINT, code="vllm-env-unstamped"
+            f"the vLLM environment {venv} was not stamped after its build",
+            hint=_BUILD_HINT,
+            code="vllm-environment-unstamped",
         )
     return venv_python(venv)
 
