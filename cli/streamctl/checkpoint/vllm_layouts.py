@@ -47,6 +47,7 @@ class Split(str, Enum):
     MERGED_ROWS = "merged_rows"  # each source's rows of the rank, concatenated (gate, then up)
     COLUMNS = "columns"  # dim 1 of the rank (row-parallel input dimension)
     SCALE_ONE = "scale_one"  # a float32 scalar 1.0 built by vLLM, no source
+    RANK_MODEL = "rank_model"  # --engine vllm-cpu: the rank model's own tensor, as vLLM's loader filled it
 
 
 @dataclass(frozen=True)
@@ -268,7 +269,7 @@ def layout_row(version: str | None) -> LayoutRow:
     known = ", ".join(row.label for row in LAYOUT_ROWS)
     raise UsageError(
         f"no sharded-state layout known for vLLM {text}{'' if version else ' (installed)'}; rows: {known}",
-        hint="pass --vllm-version with a version the table covers, or --engine vllm to use vLLM's own writer",
+        hint="pass --vllm-version with a version the table covers, or --engine vllm-cpu to let vLLM's own model code lay the files out",
     )
 
 
