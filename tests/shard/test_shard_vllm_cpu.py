@@ -26,6 +26,7 @@ from oracle import check_sharded_many, oracle_python, requires_vllm_oracle
 from progress_helpers import RecordingProgress
 from shard_models import write_model
 from slowproxy import SlowProxy
+from streamctl import output
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.errors import EngineFailed, UsageError
 from streamctl.shard.plan import ShardOptions
@@ -418,10 +419,10 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
 
 @pytest.mark.parametrize("mode", ["sha-right", "sha-wrong", "loader-bad"])
 def test_the_checks_after_writing_judge_the_files_by_the_workers_digests_and_loader(
-    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A worker whose bytes match its sha256 and whose loader check passes: a complete run, the worker's
-    log frame shown. A sha256 the DEST bytes do not have, or a rank vLLM's loader rejects:
+    log frame shown, the report naming both checks. A sha256 the DEST bytes do not have, or a rank vLLM's loader rejects:
     ShardCheckFailed (exit 1), the manifest left incomplete."""
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
     dest = tmp_path / "out"
@@ -436,6 +437,11 @@ def test_the_checks_after_writing_judge_the_files_by_the_workers_digests_and_loa
             assert result.loader_check is not None and result.loader_check.checked == 1
             assert ("log", "hostile worker: planning") in progress.events
             assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is True
+            output.render_shard_result(result)
+            shown = " ".join(capsys.readouterr().out.split())
+            assert "engine vllm-cpu" in shown and "vLLM 0.33.0 model code" in shown, shown
+            assert "tensors vs vLLM's rank models OK (2 tensors" in shown, shown
+            assert "vLLM's ShardedStateLoader OK (1 rank loaded)" in shown, shown
             return
         with pytest.raises(ShardCheckFailed) as raised:
             run(worker=hostile)
@@ -450,6 +456,9 @@ def test_the_checks_after_writing_judge_the_files_by_the_workers_digests_and_loa
         assert "loaded bytes differ" in failed.loader_check.problems[0]
         assert "vLLM loader check failed" in raised.value.message
     assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is False
+    output.render_shard_checks(failed)
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "tensor check: " in shown and "FAILED" in shown, shown
 
 
 def test_a_worker_python_that_cannot_run_is_a_usage_error(tmp_path: Path) -> None:
