@@ -8,10 +8,12 @@ as the offline writer does (`shard_with_vllm_cpu`)."""
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,7 @@ from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_
 from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import discard_unfinished_uploads
+from streamctl.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
 
 
 @dataclass(frozen=True)
@@ -296,7 +298,9 @@ def _write_request(plan: ShardPlan, skip: frozenset[str]) -> dict[str, Any]:
 @dataclass
 class _Router:
     """Routes the worker's tensor frames into the part streams of their (pp_rank, tp_rank), checking each
-    against the plan: name, dtype, shape, size and order."""
+    against the plan: name, dtype, shape, size and order. Frames are read on the caller's thread; one
+    thread per TP rank writes (uploads) its file meanwhile, so the worker is not kept waiting on a bucket;
+    a byte budget bounds what is read but not yet written."""
 
     plan: ShardPlan
     worker: VllmWorker
@@ -307,8 +311,16 @@ class _Router:
     read_source: ReadSource
     shielded: Shielded
     streams: list[PartStream]
-    digests: dict[tuple[int, int, str], str]
+    writers: Mapping[int, ThreadPoolExecutor]  # tp_rank -> its one writer thread
+    cancelled: threading.Event
+    digests: dict[tuple[int, int, str], str] = field(default_factory=dict)
     bytes_written: int = 0
+    budget: ByteBudget = field(init=False)
+    futures: list[Future[Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.budget = ByteBudget(self.options.max_buffer)
 
     def write_part(self, part_files: Sequence[PlannedFile]) -> list[WrittenFile]:
         chunk, policy = self.options.upload_chunk, self.options.retry
@@ -316,26 +328,63 @@ class _Router:
         for file in part_files:
             start = partial(start_stream, self.streams, self.dest, file.name, file.size, chunk, policy)
             opened[file.tp_rank] = self.shielded(start)
-            self._write(opened[file.tp_rank], file.header)
+            self._write(file.tp_rank, opened[file.tp_rank], file.header)
         pending = {file.tp_rank: deque(file.tensors) for file in part_files}
         for _ in range(sum(len(file.tensors) for file in part_files)):
             header = self.worker.receive(self.read_source)
             tp_rank, nbytes = self._check(header, part_files[0].pp_rank, pending)
             for data in self.worker.payload(nbytes):
-                self._write(opened[tp_rank], data)
+                self._write(tp_rank, opened[tp_rank], data)
             self.digests[(part_files[0].pp_rank, tp_rank, str(header["name"]))] = str(header["sha256"])
+        finishers = {rank: self.writers[rank].submit(stream.finish) for rank, stream in opened.items()}
+        self.futures.extend(finishers.values())
+        self._wait()
         return [
             WrittenFile(
-                file.name, file.pp_rank, file.tp_rank, file.part, file.size, opened[file.tp_rank].finish(),
+                file.name, file.pp_rank, file.tp_rank, file.part, file.size, finishers[file.tp_rank].result(),
                 tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors),
             )
             for file in part_files
         ]  # fmt: skip
 
-    def _write(self, stream: PartStream, data: bytes) -> None:
-        stream.write(data)
-        self.bytes_written += len(data)
-        self.progress.advance(self.task, len(data))
+    def _write(self, tp_rank: int, stream: PartStream, data: bytes) -> None:
+        self._raise_failed()
+        try:
+            held = self.budget.acquire(len(data), self.cancelled)
+        except Cancelled:
+            self._wait()  # the writer's own error, rather than the cancellation it caused
+            raise
+
+        def write() -> None:
+            try:
+                if self.cancelled.is_set():
+                    raise Cancelled()
+                stream.write(data)
+                with self._lock:
+                    self.bytes_written += len(data)
+                self.progress.advance(self.task, len(data))
+            except BaseException:
+                self.cancelled.set()  # stop the frame loop and the other ranks early
+                raise
+            finally:
+                self.budget.release(held)
+
+        self.futures.append(self.writers[tp_rank].submit(write))
+
+    def _raise_failed(self) -> None:
+        """A writer's error, as soon as the frame loop next writes (finished writes are dropped)."""
+        if self.cancelled.is_set():
+            self._wait()
+            raise Cancelled()
+        self.futures = [future for future in self.futures if not future.done() or future.exception() is not None]
+
+    def _wait(self) -> None:
+        wait(self.futures)
+        errors = [error for error in (future.exception() for future in self.futures) if error is not None]
+        self.futures = []
+        real = [error for error in errors if not isinstance(error, Cancelled)]
+        if real or errors:
+            raise (real or errors)[0]
 
     def _check(
         self, header: Mapping[str, Any], pp_rank: int, pending: Mapping[int, deque[PlannedTensor]]
@@ -373,6 +422,11 @@ def _reused(plan: ShardPlan, part_files: Sequence[PlannedFile]) -> list[WrittenF
     ]  # fmt: skip
 
 
+def _stop_writers(writers: Mapping[int, ThreadPoolExecutor], cancel: bool) -> None:
+    for executor in writers.values():
+        executor.shutdown(wait=True, cancel_futures=cancel)
+
+
 def write_routed(
     plan: ShardPlan,
     worker: VllmWorker,
@@ -387,9 +441,13 @@ def write_routed(
     streams: list[PartStream] = []
     skip = skipped_files(plan)
     written: list[WrittenFile] = []
+    cancelled = threading.Event()
+    writers = {rank: ThreadPoolExecutor(1, f"shard-rank{rank}") for rank in range(plan.tensor_parallel_size)}
     try:
         with shielded_calls() as shielded:  # see writer.write_sharded
-            router = _Router(plan, worker, dest, options, progress, task, read_source, shielded, streams, {})
+            router = _Router(
+                plan, worker, dest, options, progress, task, read_source, shielded, streams, writers, cancelled
+            )
             worker.request(_write_request(plan, skip))
             for stage in plan.stages:
                 files = stage_files(plan, stage)
@@ -406,8 +464,11 @@ def write_routed(
             report = worker.receive(read_source)
             if report.get("type") != "written":
                 raise worker.failure(f"the vLLM worker sent a {report.get('type')!r} frame after the last tensor")
+        _stop_writers(writers, cancel=False)
         commit_all(streams, dest, options.retry, progress)
     except BaseException:
+        cancelled.set()
+        _stop_writers(writers, cancel=True)  # no upload is still being written while they are aborted
         abort_all(streams, progress)
         raise
     finally:
