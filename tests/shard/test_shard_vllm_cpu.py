@@ -99,7 +99,7 @@ def test_sources_cli_and_parts_are_loaded_by_vllm(
         bucket.store.put(bucket.key(path.name), path.read_bytes(), {})
     fake_hub.add_repo("org/mixtral", folder=mixtral)
     runs = {
-        "s3-source": (bucket, {}),
+        "s3-source": (bucket, {"read_block": 4096}),  # the worker's reads answered in many ranged reads
         "hub-source": (open_location(resolve_source_url("org/mixtral")), {}),
         "parts": (open_location(str(mixtral)), {"max_part_size": 64 * 1024}),
     }
@@ -465,3 +465,20 @@ def test_a_worker_python_that_cannot_run_is_a_usage_error(tmp_path: Path) -> Non
     with pytest.raises(UsageError) as raised:
         start_worker(str(tmp_path / "no-such-python"))
     assert "--vllm-python" in (raised.value.hint or "")
+
+
+def test_the_workers_reads_are_answered_in_blocks_read_ahead(tmp_path: Path) -> None:
+    """A read of a bucket or Hub SOURCE is answered block by block (a few in flight), never held whole;
+    a file shorter than its header says is an IntegrityError, not short data."""
+    from streamctl.errors import IntegrityError
+    from streamctl.retry import RetryPolicy
+    from streamctl.shard.vllm_cpu_engine import _range_reader
+
+    data = bytes(range(256)) * 100
+    (tmp_path / "f.bin").write_bytes(data)
+    read = _range_reader(open_location(str(tmp_path)), RetryPolicy(), 4096)
+    chunks = list(read("f.bin", 100, 20000))
+    assert [len(chunk) for chunk in chunks] == [4096] * 4 + [20000 - 4 * 4096]
+    assert b"".join(chunks) == data[100:20100]
+    with pytest.raises(IntegrityError):
+        list(read("f.bin", 20000, 10000))

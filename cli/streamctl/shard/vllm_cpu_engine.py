@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -23,7 +23,7 @@ from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
-from streamctl.errors import EngineFailed, NotFoundError, UsageError
+from streamctl.errors import EngineFailed, IntegrityError, NotFoundError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.lease import Lease, hold_lease
 from streamctl.locations import check_disjoint
@@ -110,9 +110,37 @@ def _model_dir(source: Location, read: _Source, folder: str, policy: RetryPolicy
     return folder
 
 
-def _range_reader(source: Location, policy: RetryPolicy) -> ReadSource:
-    def read(file: str, offset: int, length: int) -> bytes:
-        return with_retries(partial(source.store.read_range, source.key(file), offset, length), policy)
+READ_AHEAD = 4  # ranged reads in flight while a "read" frame is answered
+
+
+def _range_reader(source: Location, policy: RetryPolicy, block: int) -> ReadSource:
+    """Answers the worker's reads of a bucket or Hub SOURCE: the range in blocks, a few read ahead, so
+    memory stays near READ_AHEAD blocks whatever the size asked for."""
+
+    def read_span(key: str, start: int, length: int) -> bytes:
+        data = with_retries(partial(source.store.read_range, key, start, length), policy)
+        if len(data) != length:
+            raise IntegrityError(f"{source.store.url(key)} is shorter than its safetensors header says")
+        return data
+
+    def read(file: str, offset: int, length: int) -> Iterator[bytes]:
+        key = source.key(file)
+        spans = [(start, min(block, offset + length - start)) for start in range(offset, offset + length, block)]
+        if len(spans) <= 1:
+            yield from (read_span(key, *span) for span in spans)
+            return
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-source") as pool:
+            pending: deque[Future[bytes]] = deque()
+            try:
+                for span in spans:
+                    pending.append(pool.submit(read_span, key, *span))
+                    if len(pending) >= READ_AHEAD:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for future in pending:
+                    future.cancel()
 
     return read
 
@@ -145,7 +173,7 @@ def shard_with_vllm_cpu(
     worker.progress, worker.forward_logs = progress, options.engine_logs
     try:
         with tempfile.TemporaryDirectory(prefix="streamctl-vllm-cpu-") as folder:
-            read_source = _range_reader(source, options.retry)
+            read_source = _range_reader(source, options.retry, options.read_block)
             reply = _ask_plan(worker, source, read, folder, options, read_source)
             plan = plan_from_reply(reply, read, options, pattern, source_id or source.url, dest.url)
             _log_plan(reply, options, progress)
