@@ -350,7 +350,21 @@ def build_model(vllm_config: Any, device: str = "cpu") -> Any:
         set_default_torch_dtype(vllm_config.model_config.dtype),
         torch.device(device),
     ):
-        return initialize_model(vllm_config=vllm_config)
+        model = initialize_model(vllm_config=vllm_config)
+    forget_freed_models()
+    return model
+
+
+def forget_freed_models() -> None:
+    """vLLM caches each model's PP-missing layer names by id(model) and never forgets them
+    (models/utils.py `_model_to_pp_missing_layer_names`): a new pseudo stage that reuses a freed one's id
+    then skips the wrong layers in load_weights (seen: DeepSeek-V2 TP 2 leaving random tensors NaN, 11 runs
+    in 40). One model is loaded at a time here, so the cache is emptied after every build."""
+    from vllm.model_executor.models import utils as model_utils
+
+    cache = getattr(model_utils, "_model_to_pp_missing_layer_names", None)
+    if isinstance(cache, dict):
+        cache.clear()
 
 
 def _classify_build_error(error: Exception, quantization: str | None) -> WorkerError:
