@@ -440,8 +440,11 @@ def _describe_difference(first: list[PlannedTensor], other: list[PlannedTensor])
     return "the same names in a different order"
 
 
-def plan_stage_names(request: dict[str, Any], plan: Plan, pp_rank: int, quantization: str | None) -> list[Any]:
-    """Meta builds of every TP rank of real stage pp_rank: one list (the same for each rank, else refused)."""
+def plan_stage_names(
+    request: dict[str, Any], plan: Plan, pp_rank: int, quantization: str | None
+) -> tuple[list[PlannedTensor], set[str]]:
+    """Meta builds of every TP rank of real stage pp_rank: one list (the same for each rank, else refused),
+    and the build-only shims the builds looked up."""
     first: list[PlannedTensor] = []
     shims: set[str] = set()
     for tp_rank in range(plan.tp):
@@ -460,7 +463,7 @@ def plan_stage_names(request: dict[str, Any], plan: Plan, pp_rank: int, quantiza
                 f"stage {pp_rank}: TP rank {tp_rank}'s tensors differ from TP rank 0's: "
                 + _describe_difference(first, tensors),
             )
-    return [first, shims]
+    return first, shims
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:
