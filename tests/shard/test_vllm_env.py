@@ -369,8 +369,10 @@ def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
     assert not stamp_path(venv).exists()
     assert time.monotonic() - started < 60
     # The next try starts from the half-made venv and fails the same way: still no stamp.
+    progress = RecordingProgress()
     with pytest.raises(RemoteError):
-        resolve_vllm_python(None, None, RecordingProgress())
+        resolve_vllm_python(None, None, progress)
+    assert progress.lines[0] == f"completing the CPU-only vLLM 0.33.0 environment in {venv}"
     assert not stamp_path(venv).exists()
 
 

@@ -265,7 +265,10 @@ def build_environment(
             code="vllm-environment-build-failed",
         )
     stamp_path(venv).unlink(missing_ok=True)  # from here until the end, the environment is not a good one
-    progress.log(f"creating a CPU-only vLLM {vllm_version} environment in {venv} (once; a few minutes)")
+    if (venv / "pyvenv.cfg").exists():  # an earlier build stopped, or the recipe changed: pip skips what is there
+        progress.log(f"completing the CPU-only vLLM {vllm_version} environment in {venv}")
+    else:
+        progress.log(f"creating a CPU-only vLLM {vllm_version} environment in {venv} (once; a few minutes)")
     _make_venv(venv, progress)
     python = str(venv_python(venv))
     constraints = venv / "streamctl-torch-constraint.txt"
