@@ -394,14 +394,17 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
 ) -> None:
     """A stand-in worker that dies in the middle of a tensor, announces the wrong size, or sends a tensor
     off the plan: EngineFailed naming it, the worker killed, every upload aborted, DEST as it was; one that
-    refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started."""
+    refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started. With --debug
+    (engine_logs) the worker's stderr lines reach the progress log."""
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
     dest = tmp_path / "out"
     hostile = hostile_worker(tmp_path, mode, monkeypatch)
+    progress = RecordingProgress()
     try:
         expected = UsageError if mode == "refuse" else EngineFailed
         with pytest.raises(expected) as raised:
-            shard_checkpoint(open_location(str(tmp_path / "hf")), open_location(str(dest)), vllm_cpu(1), worker=hostile)
+            source, options = open_location(str(tmp_path / "hf")), vllm_cpu(1, engine_logs=True)
+            shard_checkpoint(source, open_location(str(dest)), options, progress, worker=hostile)
         if mode == "refuse":
             assert raised.value.code == "unsupported-quantization" and "no FP8 block kernel" in raised.value.message
             assert hostile.broken is None  # a refusal ends the request cleanly: the worker stays usable
@@ -412,6 +415,7 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
             if mode == "die":
                 assert "exit 3" in raised.value.message
                 assert "hostile worker: dying now" in (raised.value.hint or ""), raised.value.hint
+                assert ("log", "vllm: hostile worker: dying now") in progress.events, progress.events
     finally:
         hostile.close()
     assert not dest.exists() or sorted(str(path.relative_to(dest)) for path in dest.rglob("*")) == []
