@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import os
 import queue
 import re
@@ -953,6 +954,7 @@ def serve(channel: Channel) -> int:
             channel.flush()
             return 0
         op = header.get("op")
+        quiet_repeated_vllm_logs()
         try:
             if op == "plan":
                 plan = None  # nothing of the last plan survives a new one, even a failed one
@@ -967,6 +969,43 @@ def serve(channel: Channel) -> int:
         except Exception as error:  # noqa: BLE001 - one error frame per failed op; the worker serves on
             channel.send(error_frame(error))
         channel.flush()  # the op's last frame is out before the next request is read
+
+
+class OncePerMessage(logging.Filter):
+    """vLLM warns per model built ("Reset SSM cache type...", "Attempted to load weight ... with dtype"): with
+    a pseudo stage per layer and rank that floods stderr. Each message template passes once; errors always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        key = (record.name, str(record.msg))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+ONCE = OncePerMessage()
+
+
+def quiet_repeated_vllm_logs() -> None:
+    """ONCE on vLLM's log handlers (idempotent: every op calls it, in case vLLM configured its logging since);
+    when vLLM's logging is not configured (its records reach Python's last-resort handler), a stderr handler
+    of our own, with ONCE, takes their place."""
+    vllm_logger = logging.getLogger("vllm")
+    handlers = vllm_logger.handlers + logging.getLogger().handlers
+    if not handlers:
+        own = logging.StreamHandler(sys.stderr)
+        own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        vllm_logger.addHandler(own)
+        handlers = [own]
+    for handler in handlers:
+        if ONCE not in handler.filters:
+            handler.addFilter(ONCE)
 
 
 def main() -> int:
@@ -984,6 +1023,7 @@ def main() -> int:
     channel = Channel(sys.stdin.buffer, out)
     try:
         vllm_shims.install()
+        quiet_repeated_vllm_logs()
         init_vllm()
         gc.collect()
         gc.freeze()  # vLLM's import graph is ~1M objects: keep it out of every per-layer collection
