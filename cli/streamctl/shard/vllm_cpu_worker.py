@@ -338,7 +338,7 @@ def make_vllm_config(
     extra = {"pattern": pattern} if pattern else {}
     return VllmConfig(
         model_config=model_config,
-        load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra),
+        load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra, use_tqdm_on_load=False),
         parallel_config=ParallelConfig(enable_expert_parallel=bool(request.get("ep"))),
         compilation_config=CompilationConfig(mode=CompilationMode.NONE),
     )
