@@ -25,6 +25,11 @@ write  per part, consecutive names grouped by layer; the layer's HF tensors read
 check  the FULL rank model (real rank emulated) loaded by vLLM's own ShardedStateLoader (runai_streamer_sharded
        when the Run:ai streamer is importable, else sharded_state) from DEST; every loaded tensor's sha256,
        before post-processing, must equal what write sent.
+
+Outgoing frames go through one writer thread (it hashes and writes while the next pseudo stage loads; at most
+INFLIGHT_BYTES queued). One torch thread (OpenMP's spinning workers cost 3-4x the CPU on a busy machine).
+vLLM's id(model)-keyed cache of PP-missing layers is emptied after every build (forget_freed_models), and
+each vLLM log message reaches stderr once (OncePerMessage). Build-only shims: streamctl/shard/vllm_shims.py.
 """
 
 from __future__ import annotations
