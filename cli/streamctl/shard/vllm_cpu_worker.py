@@ -717,9 +717,9 @@ def _poison(model: Any) -> dict[str, Any]:
 
 def load_pseudo_stage(
     plan: Plan, layer: int, tp_rank: int, hf: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Pseudo stage `layer` at `tp_rank`, built on the CPU and loaded by its own load_weights: its filtered
-    state dict (before post-processing) and the construction values of its poisoned small parameters."""
+    state dict (before post-processing), the construction values of its poisoned small parameters, the model."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
@@ -734,7 +734,21 @@ def load_pseudo_stage(
         except Exception as error:
             raise WorkerError("bad-checkpoint", f"layer {layer}, TP rank {tp_rank}: {one_line(error)}") from error
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
-    return state, saved
+    return state, saved, model
+
+
+def release_weights(model: Any) -> None:
+    """Drop a sent model's parameter and buffer storage now (the frames still queued keep theirs until they
+    are written): its module objects sit in reference cycles until the per-layer gc, its weights need not."""
+    import torch
+
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                param.data = torch.empty(0, dtype=param.dtype)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty(0, dtype=buffer.dtype)
 
 
 def raw_bytes(tensor: Any) -> memoryview:
@@ -836,10 +850,11 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
                     channel.log(f"stage {pp_rank}: layer {layer + 1} of {plan.num_layers}")
                     hf = layer_hf_tensors(channel, plan, layer, cache)
                     for tp_rank in range(plan.tp):
-                        state, saved = load_pseudo_stage(plan, layer, tp_rank, hf)
+                        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf)
                         send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
-                        del state, saved
-                        gc.collect()  # a built vLLM model sits in reference cycles
+                        release_weights(model)  # one rank's weights alive at a time, without a gc per rank
+                        del state, saved, model
+                    gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
     finally:
         cache.drop()
         gc.collect()
