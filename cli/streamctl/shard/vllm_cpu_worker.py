@@ -979,6 +979,8 @@ def serve(channel: Channel) -> int:
             if op == "plan":
                 plan = None  # nothing of the last plan survives a new one, even a failed one
                 plan = op_plan(channel, header)
+                gc.collect()
+                gc.freeze()  # what a plan imported (model modules) stays: keep it out of every per-layer gc
             elif op in handlers:
                 handlers[op](header)
             else:
