@@ -506,3 +506,18 @@ def test_the_workers_reads_are_answered_in_blocks_read_ahead(tmp_path: Path) -> 
     assert b"".join(chunks) == data[100:20100]
     with pytest.raises(IntegrityError):
         list(read("f.bin", 20000, 10000))
+
+
+def test_a_dest_holding_other_files_is_refused_before_the_worker_starts(tmp_path: Path) -> None:
+    """A non-empty DEST that cannot be a re-run is refused before vLLM is even looked for: here the
+    --vllm-python does not exist, and the error is about DEST, not about it (nothing waits on a worker)."""
+    write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=2)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    args = ["shard", str(tmp_path / "hf"), str(tmp_path / "out"), "-tp", "2", "--engine", "vllm-cpu"]
+    result = run_cli(*args, "--vllm-python", str(tmp_path / "no-such-python"), "--json")
+    assert result.exit_code == 2, result.stderr
+    assert "already holds 1 file" in result.json()["error"]["message"], result.stdout
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    forced = run_cli(*args, "--vllm-python", str(tmp_path / "no-such-python"), "--force", "--json")
+    assert forced.exit_code == 2 and "no-such-python" in forced.json()["error"]["message"], forced.stdout

