@@ -541,6 +541,8 @@ class _Run:
         routed = undo_on_failure(dest, created, progress, write)
         write_seconds = time.monotonic() - self.started
         removed = remove_files(dest, plan.stale, progress)
+        # vLLM's loader check runs in the worker while this process runs its own two checks.
+        loader_check_started = self._start_loader_check(plan)
         verify = check_verify(dest, plan, progress)
         skipped = tuple(sorted(skipped_files(plan)))
         digests = check_tensor_digests(
@@ -550,16 +552,17 @@ class _Run:
         result = ShardResult(
             plan, "vllm-cpu", routed.files, copied, removed, routed.bytes_written, time.monotonic() - self.started,
             write_seconds, verify, None, discarded, self.notes, skipped,
-            tensor_check=digests, loader_check=self._loader_check(plan, routed), engine_report=report,
+            tensor_check=digests, engine_report=report,
+            loader_check=self._loader_check(routed) if loader_check_started else None,
         )  # fmt: skip
         return record_result(dest, replace(result, seconds=time.monotonic() - self.started), self.lease)
 
-    def _loader_check(self, plan: ShardPlan, routed: RoutedWrite) -> LoaderCheckReport | None:
-        """vLLM's own ShardedStateLoader on the written files, in the worker (local DEST only); ranks that
-        would take more than half the memory available now are skipped by the worker."""
+    def _start_loader_check(self, plan: ShardPlan) -> bool:
+        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only);
+        ranks that would take more than half the memory available now are skipped by the worker."""
         folder = local_path(self.dest)
         if folder is None:
-            return None
+            return False
         memory = available_memory()
         request = {
             "op": "check",
@@ -568,6 +571,10 @@ class _Run:
             "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
         }
         self.worker.request(request)
+        return True
+
+    def _loader_check(self, routed: RoutedWrite) -> LoaderCheckReport:
+        """The worker's answer to `_start_loader_check`."""
         frame = self.worker.receive(self.read_source)
         if frame.get("type") != "checked":
             raise self.worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")

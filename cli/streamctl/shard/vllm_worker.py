@@ -240,12 +240,27 @@ def start_worker(
             hint="pass --vllm-python with the python of a CPU vLLM environment, or leave it out to make one",
         ) from None
     worker = VllmWorker(process, python, progress, forward_logs)
+    _widen_pipe(worker.stdout)
     assert process.stderr is not None
     worker._stderr_thread = threading.Thread(
         target=_drain_stderr, args=(process.stderr, worker), name="vllm-worker-stderr", daemon=True
     )
     worker._stderr_thread.start()
     return worker
+
+
+PIPE_SIZE = 1024 * 1024  # Linux's default limit for an unprivileged process (/proc/sys/fs/pipe-max-size)
+
+
+def _widen_pipe(stream: IO[bytes]) -> None:
+    """Give the tensor pipe 1 MiB instead of Linux's 64 KiB: every GB of weights then crosses in 16x fewer
+    wake-ups of both processes (measured: the parent's pipe reads took about half the write phase)."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(stream.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    except (OSError, AttributeError):  # another kernel's limit, or no F_SETPIPE_SZ: the default still works
+        pass
 
 
 def plan_request(
