@@ -100,6 +100,7 @@ def _sharded_job(
     pattern: str | None = None,
     dtype: str | None = None,
     load_format: str = "runai_streamer_sharded",
+    ep: bool = False,
 ) -> dict[str, Any]:
     return {
         "hf_dir": str(hf_dir),
@@ -109,6 +110,7 @@ def _sharded_job(
         "pattern": pattern,
         "dtype": dtype,
         "load_format": load_format,
+        "ep": ep,
     }
 
 
@@ -127,7 +129,8 @@ def check_sharded(
 
 
 def check_sharded_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments."""
+    """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments
+    (plus "ep": True for a layout with --enable-expert-parallel: experts split over the TP ranks)."""
     return _run_jobs("check_sharded.py", [_sharded_job(**job) for job in jobs], "jobs", timeout)
 
 
