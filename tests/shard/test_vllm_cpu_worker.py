@@ -114,7 +114,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
     python = oracle_python()
     assert python
-    kinds = ["llama", "mixtral", "deepseek-v2"]
+    kinds = ["llama", "mixtral", "deepseek-v2", "gemma3-mm", "qwen2-vl"]
     subprocess.run([python, str(SCRIPTS / "tiny_hf_models.py"), str(root), *kinds], check=True, capture_output=True)
     subprocess.run(
         [python, str(SCRIPTS / "quantize_fp8.py"), str(root / "llama"), str(root / "llama-fp8block"), "block"],
@@ -198,9 +198,8 @@ def plan_and_write(worker: WorkerClient, model: Path, out: Path, tp: int, local:
 @pytest.fixture(scope="module")
 def written(worker: WorkerClient, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("out")
-    return {
-        kind: plan_and_write(worker, models[kind], out / kind, 2, True) for kind in ("llama", "mixtral", "deepseek-v2")
-    }
+    kinds = ("llama", "mixtral", "deepseek-v2", "gemma3-mm", "qwen2-vl")
+    return {kind: plan_and_write(worker, models[kind], out / kind, 2, True) for kind in kinds}
 
 
 def test_plan_reply_describes_the_model(written: dict[str, Any]) -> None:
@@ -226,6 +225,42 @@ def test_written_ranks_load_in_vllm(written: dict[str, Any], models: dict[str, P
     ]
     for kind, verdict in zip(written, check_sharded_many(jobs), strict=True):
         assert verdict["ok"], (kind, verdict)
+
+
+def test_multimodal_models_build_with_the_shims(written: dict[str, Any]) -> None:
+    """Gemma 3 multimodal and Qwen2-VL build here only through the build-only shims, which the plan names
+    (their files are judged by vLLM in test_written_ranks_load_in_vllm, with the same shims)."""
+    gemma, qwen = written["gemma3-mm"]["plan"], written["qwen2-vl"]["plan"]
+    assert gemma["architecture"] == "Gemma3ForConditionalGeneration" and "torchvision" in gemma["shims"]
+    assert qwen["architecture"] == "Qwen2VLForConditionalGeneration" and "torch.ops._C.gelu_quick" in qwen["shims"]
+    assert "torch.ops._C.gelu_quick" not in gemma["shims"]
+    vision = [t for t in qwen["stages"][0]["tensors"] if t["name"].startswith("visual.")]
+    assert vision and all(t["layer"] == 0 for t in vision)
+
+
+SHIM_CALL = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("shims", sys.argv[1])
+shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+import torch
+assert shims._install_c_ops() or hasattr(torch.ops._C, "gelu_quick")
+for call in (lambda: torch.ops._C.gelu_quick(torch.empty(2), torch.empty(2)),
+             lambda: (shims._install_torchvision() and __import__("torchvision.transforms.v2").transforms.v2.Resize(4))):
+    try:
+        call()
+    except shims.ShimCalled as error:
+        print("refused:", error)
+"""
+
+
+def test_a_called_shim_refuses_to_compute() -> None:
+    python = oracle_python()
+    assert python
+    shims = CLI_DIR / "streamctl" / "shard" / "vllm_shims.py"
+    done = subprocess.run([python, "-c", SHIM_CALL, str(shims)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: torch.ops._C.gelu_quick is a build-only stand-in" in done.stdout
+    assert "refused: torchvision (stand-in) is a build-only stand-in" in done.stdout
 
 
 def test_read_frames_give_the_same_bytes(worker: WorkerClient, written: dict, models: dict, tmp_path: Path) -> None:

@@ -3,8 +3,9 @@ is constructed (never called: nothing here runs a kernel). Standard library only
 by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_oracle/check_sharded.py).
 
 - `torchvision`: vLLM's gemma3_mm.py imports transformers' Gemma3ImageProcessor, which imports
-  torchvision.transforms.v2. When the real package is absent, a stand-in package answers every import and
-  attribute; calling anything of it raises ShimCalled.
+  torchvision.transforms.v2 (vLLM's own imports of transformers' image/video utilities touch it too). When the
+  real package is absent, a stand-in package answers every import and attribute; instantiating or calling
+  anything of it raises ShimCalled.
 - `torch.ops._C.<op>`: vLLM's CUDA wheel on a CPU has no vllm._C, yet some activations look their op up in
   __init__ on the CPU platform (vllm/model_executor/layers/activation.py, vLLM 0.33: QuickGELU -> gelu_quick
   (Qwen2-VL's vision MLP), NewGELU -> gelu_new, FastGELU -> gelu_fast). Each missing one is defined with
@@ -135,8 +136,8 @@ def install() -> list[str]:
 
 def used_by(model: Any) -> list[str]:
     """The installed stand-ins this built model looked up: the shim ops its modules hold, and the stand-in
-    torchvision when it has been imported in this process (imports are per process, so a model built after
-    another one imported it is listed too: more disclosure, never less)."""
+    torchvision whenever it is imported (vLLM's own imports of transformers' image and video utilities
+    already import it, whatever the model; Gemma 3 multimodal then needs it to build)."""
     installed = set(install())
     used = set()
     for module in model.modules():
