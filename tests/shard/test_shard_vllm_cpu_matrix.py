@@ -22,7 +22,6 @@ import pytest
 from oracle import (
     check_sharded_many,
     installed_vllm_version,
-    oracle_python,
     quantize_fp8,
     requires_vllm_oracle,
     stream_runai_many,
@@ -31,8 +30,8 @@ from oracle import (
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_worker import start_worker
 from streamctl.storage import open_location
+from vllm_cpu_helpers import SharedWorker
 
 pytestmark = requires_vllm_oracle
 
@@ -85,6 +84,7 @@ CASES = [
     Case("deepseek-v2", 2, ep=True),
     *(Case(kind, tp) for kind in ("gemma2", "gemma3-text", "phi3") for tp in (1, 2, 4)),
     *(Case(kind, tp) for kind in ("gemma3-mm", "qwen2-vl") for tp in (1, 2)),  # vision towers of 2 heads
+    Case("qwen2-vl", 2, 2),  # the vision tower on the first stage
     Case("mixtral-ct", 2),  # compressed-tensors FP8: F8_E4M3 weights + per-channel scales
     Case("mixtral-ct", 2, ep=True),
     # One worker builds and frees hundreds of models: nothing of an earlier one may leak into a later one
@@ -124,27 +124,25 @@ def hf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _shard_every_case(hf_root: Path, out_root: Path) -> Iterator[Outcome]:
-    """Every case through shard_checkpoint with engine vllm-cpu, all in one worker process."""
-    python = oracle_python()
-    assert python is not None
-    with start_worker(python) as worker:
-        for case in CASES:
-            outcome = Outcome(case, out_root / case.id)
-            options = _options(case, engine="vllm-cpu", vllm_python=python)
-            try:
-                result = shard_checkpoint(
-                    open_location(str(hf_root / case.kind)), open_location(str(outcome.dest)), options, worker=worker
-                )
-                outcome.result = result.to_json()
-            except Exception as error:  # noqa: BLE001 - one failing case must not hide the others
-                outcome.error = f"{type(error).__name__}: {error}"
-            yield outcome
+def _shard_every_case(hf_root: Path, out_root: Path, shared: SharedWorker) -> Iterator[Outcome]:
+    """Every case through shard_checkpoint with engine vllm-cpu, all through the session's one worker."""
+    for case in CASES:
+        outcome = Outcome(case, out_root / case.id)
+        options = _options(case, engine="vllm-cpu", vllm_python=shared.python)
+        source, dest = open_location(str(hf_root / case.kind)), open_location(str(outcome.dest))
+        try:
+            outcome.result = shard_checkpoint(source, dest, options, worker=shared.get()).to_json()
+        except Exception as error:  # noqa: BLE001 - one failing case must not hide the others
+            outcome.error = f"{type(error).__name__}: {error}"
+        yield outcome
 
 
 @pytest.fixture(scope="module")
-def outcomes(hf_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    done = {outcome.case.id: outcome for outcome in _shard_every_case(hf_root, tmp_path_factory.mktemp("out"))}
+def outcomes(
+    hf_root: Path, tmp_path_factory: pytest.TempPathFactory, shared_vllm_worker: SharedWorker
+) -> dict[str, Outcome]:
+    out_root = tmp_path_factory.mktemp("out")
+    done = {outcome.case.id: outcome for outcome in _shard_every_case(hf_root, out_root, shared_vllm_worker)}
     written = [outcome for outcome in done.values() if outcome.error is None]
     verdicts = check_sharded_many(
         [

@@ -17,11 +17,12 @@ import re
 import struct
 from pathlib import Path
 
-from oracle import oracle_python, requires_vllm_oracle, write_tiny_hf_models
+from oracle import requires_vllm_oracle, write_tiny_hf_models
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_worker import VllmWorker, start_worker
+from streamctl.shard.vllm_worker import VllmWorker
 from streamctl.storage import open_location
+from vllm_cpu_helpers import SharedWorker
 
 pytestmark = requires_vllm_oracle
 
@@ -72,25 +73,24 @@ def reset_peak(worker: VllmWorker) -> float:
     return status_mib(worker.process.pid, "VmRSS")
 
 
-def test_a_checkpoint_far_larger_than_the_bound_shards_under_it(tmp_path: Path) -> None:
+def test_a_checkpoint_far_larger_than_the_bound_shards_under_it(
+    tmp_path: Path, shared_vllm_worker: SharedWorker
+) -> None:
     root = write_tiny_hf_models(tmp_path / "hf", ["llama", "llama-deep"])
     deep = root / "llama-deep"
     sizes = header_sizes(deep)
     checkpoint_mib = sum(sizes.values()) / MiB
     bound = bound_mib(sizes, TP)
     assert checkpoint_mib > 48 * 13 and bound < checkpoint_mib / 4, (bound, checkpoint_mib)  # the test has teeth
-    python = oracle_python()
-    assert python is not None
+    python = shared_vllm_worker.python
     options = ShardOptions(tensor_parallel_size=TP, engine="vllm-cpu", vllm_python=python, dtype="bfloat16")
-    with start_worker(python) as worker:
-        warm = shard_checkpoint(
-            open_location(str(root / "llama")), open_location(str(tmp_path / "warm")), options, worker=worker
-        )
-        baseline = reset_peak(worker)
-        result = shard_checkpoint(
-            open_location(str(deep)), open_location(str(tmp_path / "out")), options, worker=worker
-        )
-        whole_run = status_mib(worker.process.pid, "VmHWM")  # the write and vLLM's loader check after it
+    worker = shared_vllm_worker.get()
+    warm = shard_checkpoint(
+        open_location(str(root / "llama")), open_location(str(tmp_path / "warm")), options, worker=worker
+    )
+    baseline = reset_peak(worker)
+    result = shard_checkpoint(open_location(str(deep)), open_location(str(tmp_path / "out")), options, worker=worker)
+    whole_run = status_mib(worker.process.pid, "VmHWM")  # the write and vLLM's loader check after it
     document = result.to_json()
     written_peak = float(document["engine_report"]["peak_rss_mib"])  # VmHWM when the last tensor was sent
     print(
