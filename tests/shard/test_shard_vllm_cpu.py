@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +26,11 @@ from oracle import check_sharded_many, oracle_python, requires_vllm_oracle
 from progress_helpers import RecordingProgress
 from shard_models import write_model
 from slowproxy import SlowProxy
+from streamctl import output
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.errors import EngineFailed, UsageError
 from streamctl.shard.plan import ShardOptions
+from streamctl.shard.result import ShardCheckFailed, ShardResult
 from streamctl.shard.run import shard_checkpoint
 from streamctl.shard.vllm_worker import VllmWorker, start_worker
 from streamctl.storage import open_location
@@ -332,7 +335,7 @@ def test_expert_parallel_with_the_offline_writer_is_refused(tmp_path: Path) -> N
 # A hostile worker: speaks the protocol, then breaks it (no vLLM needed)
 
 HOSTILE_WORKER = r"""
-import json, os, sys
+import hashlib, json, os, sys
 out = sys.stdout.buffer
 def send(header, payload=b""):
     out.write(json.dumps(header).encode() + b"\n" + payload)
@@ -341,6 +344,7 @@ mode = os.environ["HOSTILE_MODE"]
 for line in sys.stdin.buffer:
     request = json.loads(line)
     if request["op"] == "plan":
+        send({"type": "log", "message": "hostile worker: planning"})
         if mode == "refuse":
             send({"type": "error", "kind": "unsupported-quantization", "message": "no FP8 block kernel", "detail": ""})
             continue
@@ -351,7 +355,15 @@ for line in sys.stdin.buffer:
               "stages": [{"pp_rank": 0, "layers": [0, 1], "tensors": tensors}]})
     elif request["op"] == "write":
         first = request["stages"][0]["parts"][0][0]
+        if mode in ("sha-right", "sha-wrong", "loader-bad"):
+            for name in request["stages"][0]["parts"][0]:
+                sha = hashlib.sha256(b"\1" * 128).hexdigest() if mode != "sha-wrong" else "0" * 64
+                send({"type": "tensor", "pp_rank": 0, "tp_rank": 0, "name": name, "dtype": "BF16", "shape": [64],
+                      "nbytes": 128, "sha256": sha}, b"\1" * 128)
+            send({"type": "written", "seconds": 0.1, "peak_rss_mib": 1.0, "kept_construction_value": []})
+            continue
         if mode == "die":
+            print("hostile worker: dying now", file=sys.stderr, flush=True)
             send({"type": "tensor", "pp_rank": 0, "tp_rank": 0, "name": first, "dtype": "BF16", "shape": [64],
                   "nbytes": 128, "sha256": "0" * 64}, b"\1" * 40)
             os._exit(3)
@@ -362,7 +374,18 @@ for line in sys.stdin.buffer:
             send({"type": "tensor", "pp_rank": 0, "tp_rank": 0, "name": "c.weight", "dtype": "BF16", "shape": [64],
                   "nbytes": 128, "sha256": "0" * 64}, b"\1" * 128)
         sys.stdin.buffer.read()
+    elif request["op"] == "check":
+        problems = ["a.weight: loaded bytes differ from the written ones (sha256)"] if mode == "loader-bad" else []
+        rank = {"pp_rank": 0, "tp_rank": 0, "ok": not problems, "tensors": 2, "problems": problems, "skipped": None}
+        send({"type": "checked", "loader": "runai_streamer_sharded", "ranks": [rank], "peak_rss_mib": 1.0})
 """
+
+
+def hostile_worker(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> VllmWorker:
+    (tmp_path / "hostile_worker.py").write_text(HOSTILE_WORKER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("HOSTILE_MODE", mode)
+    return start_worker(sys.executable, module="hostile_worker")
 
 
 @pytest.mark.parametrize("mode", ["die", "nbytes", "name", "refuse"])
@@ -372,12 +395,9 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
     """A stand-in worker that dies in the middle of a tensor, announces the wrong size, or sends a tensor
     off the plan: EngineFailed naming it, the worker killed, every upload aborted, DEST as it was; one that
     refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started."""
-    (tmp_path / "hostile_worker.py").write_text(HOSTILE_WORKER)
-    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("HOSTILE_MODE", mode)
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
     dest = tmp_path / "out"
-    hostile = start_worker(sys.executable, module="hostile_worker")
+    hostile = hostile_worker(tmp_path, mode, monkeypatch)
     try:
         expected = UsageError if mode == "refuse" else EngineFailed
         with pytest.raises(expected) as raised:
@@ -391,9 +411,54 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
             assert words in raised.value.message, raised.value.message
             if mode == "die":
                 assert "exit 3" in raised.value.message
+                assert "hostile worker: dying now" in (raised.value.hint or ""), raised.value.hint
     finally:
         hostile.close()
     assert not dest.exists() or sorted(str(path.relative_to(dest)) for path in dest.rglob("*")) == []
+
+
+@pytest.mark.parametrize("mode", ["sha-right", "sha-wrong", "loader-bad"])
+def test_the_checks_after_writing_judge_the_files_by_the_workers_digests_and_loader(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker whose bytes match its sha256 and whose loader check passes: a complete run, the worker's
+    log frame shown, the report naming both checks. A sha256 the DEST bytes do not have, or a rank vLLM's loader rejects:
+    ShardCheckFailed (exit 1), the manifest left incomplete."""
+    write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
+    dest = tmp_path / "out"
+    progress = RecordingProgress()
+    with hostile_worker(tmp_path, mode, monkeypatch) as hostile:
+        run = partial(
+            shard_checkpoint, open_location(str(tmp_path / "hf")), open_location(str(dest)), vllm_cpu(1), progress
+        )
+        if mode == "sha-right":
+            result = run(worker=hostile)
+            assert result.ok and result.tensor_check is not None and result.tensor_check.tensors == 2
+            assert result.loader_check is not None and result.loader_check.checked == 1
+            assert ("log", "hostile worker: planning") in progress.events
+            assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is True
+            output.render_shard_result(result)
+            shown = " ".join(capsys.readouterr().out.split())
+            assert "engine vllm-cpu" in shown and "vLLM 0.33.0 model code" in shown, shown
+            assert "tensors vs vLLM's rank models OK (2 tensors" in shown, shown
+            assert "vLLM's ShardedStateLoader OK (1 rank loaded)" in shown, shown
+            return
+        with pytest.raises(ShardCheckFailed) as raised:
+            run(worker=hostile)
+    failed = raised.value.result
+    assert isinstance(failed, ShardResult) and raised.value.exit_code == 1
+    if mode == "sha-wrong":
+        assert failed.tensor_check is not None and not failed.tensor_check.ok
+        assert "differ from vLLM's rank model" in failed.tensor_check.problems[0]
+        assert "tensor check failed" in raised.value.message
+    else:
+        assert failed.loader_check is not None and not failed.loader_check.ok
+        assert "loaded bytes differ" in failed.loader_check.problems[0]
+        assert "vLLM loader check failed" in raised.value.message
+    assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is False
+    output.render_shard_checks(failed)
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "tensor check: " in shown and "FAILED" in shown, shown
 
 
 def test_a_worker_python_that_cannot_run_is_a_usage_error(tmp_path: Path) -> None:

@@ -186,7 +186,7 @@ EXAMPLES = (
         "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16",
     ),
     (
-        "Shard a MoE model with vLLM's own code on this CPU, experts split over 4 ranks:",
-        "streamctl shard mistralai/Mixtral-8x7B-v0.1 ./mixtral-ep4 -tp 4 --enable-expert-parallel",
+        "Shard a MoE model with vLLM's own code on this CPU, experts over 4 ranks:",
+        "streamctl shard Qwen/Qwen3-30B-A3B ./moe -tp 4 --enable-expert-parallel",
     ),
 )

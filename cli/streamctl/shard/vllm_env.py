@@ -85,7 +85,7 @@ _UNREACHABLE = (
     (re.compile(r"Name or service not known|Temporary failure in name resolution|getaddrinfo failed"), "unknown host"),
     (re.compile(r"timed out|ConnectTimeout|ReadTimeout", re.I), "timed out"),
     (re.compile(r"Network is unreachable|No route to host|ProxyError|SSLError|Max retries exceeded"), "no route"),
-    (re.compile(r"\(from versions: none\)"), "no versions offered"),
+    (re.compile(r"\(from versions: none\)"), "it offered no versions"),
 )
 
 
@@ -205,7 +205,9 @@ def ensure_environment(
         )
     if not is_built(venv, stamp):
         raise MissingProgramError(
-            f"the vLLM environment {venv} was not stamped after its build", hint=_BUILD_HINT, code="vllm-env-unstamped"
+            f"the vLLM environment {venv} was not stamped after its build",
+            hint=_BUILD_HINT,
+            code="vllm-environment-unstamped",
         )
     return venv_python(venv)
 
@@ -264,7 +266,9 @@ def build_environment(
     source = index or "pip's configured index"
     progress.log(f"torch {TORCH_VERSION}, CPU build, from {source}")
     index_args = ["--index-url", index] if index else []
-    _pip(python, ["-c", str(constraints), f"torch=={TORCH_VERSION}", *index_args], vllm_version, f"torch from {source}")
+    # No constraints file here: the requirement pins torch, and pip 23 reports a pin that is also a constraint
+    # and finds nothing as a "conflict" instead of "from versions: none".
+    _pip(python, [f"torch=={TORCH_VERSION}", *index_args], vllm_version, f"torch from {source}")
     _refuse_cuda_torch(python, vllm_version)
     progress.log(f"vllm {vllm_version} without its dependencies")
     _pip(python, ["--no-deps", f"vllm=={vllm_version}"], vllm_version, f"vllm=={vllm_version}")
@@ -308,7 +312,8 @@ def _python_version(python: str) -> str | None:
 
 
 def _pip(python: str, args: Sequence[str], vllm_version: str, what: str) -> None:
-    command = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", *args]
+    # Not -q: pip's quiet mode hides the lines that say why nothing was found ("from versions: none").
+    command = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", *args]
     _run_step(command, what, vllm_version)
 
 
