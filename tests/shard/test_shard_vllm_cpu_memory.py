@@ -1,8 +1,8 @@
 """`streamctl shard --engine vllm-cpu` in bounded memory (issue 12): a checkpoint far larger than the memory
 the test allows still shards, and the worker's peak RSS stays under the formula the design gives.
 
-The checkpoint is tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer),
-served as bfloat16 at TP 2. The worker builds one decoder layer at a time, so its peak over what it held
+The checkpoints are tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer)
+and `mixtral-deep` (32 layers of 8 experts: 411 MiB), served as bfloat16 at TP 2. The worker builds one decoder layer at a time, so its peak over what it held
 before the run must stay under largest decoder layer + largest layer / TP + the embedding and the head (all
 at the checkpoint's width), plus a fixed slack; the test first asserts that this bound is far below the
 checkpoint's size (a worker that held the model would exceed it). The peak is the worker process's own
@@ -16,6 +16,8 @@ import json
 import re
 import struct
 from pathlib import Path
+
+import pytest
 
 from oracle import requires_vllm_oracle, write_tiny_hf_models
 from streamctl.shard.plan import ShardOptions
@@ -31,6 +33,9 @@ TP = 2
 # Python objects, allocator arenas and one write buffer beyond the formula's tensors (the design's layerwise
 # runs measured +46..62 MiB over the baseline in all).
 SLACK_MIB = 96
+# tiny_hf_models' deep kinds, float32: llama-deep 48 layers, hidden 512 (629 MiB, 13.6 MiB a layer);
+# mixtral-deep 32 layers of 8 experts, hidden 256, I 512 (411 MiB, 12.6 MiB of experts a layer)
+DEEP_KINDS = ("llama-deep", "mixtral-deep")
 LAYER_NAME = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -73,28 +78,35 @@ def reset_peak(worker: VllmWorker) -> float:
     return status_mib(worker.process.pid, "VmRSS")
 
 
+@pytest.fixture(scope="module")
+def hf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_hf_models(tmp_path_factory.mktemp("hf"), ["llama", *DEEP_KINDS])
+
+
+@pytest.mark.parametrize("kind", DEEP_KINDS)
 def test_a_checkpoint_far_larger_than_the_bound_shards_under_it(
-    tmp_path: Path, shared_vllm_worker: SharedWorker
+    hf_root: Path, tmp_path: Path, shared_vllm_worker: SharedWorker, kind: str
 ) -> None:
-    root = write_tiny_hf_models(tmp_path / "hf", ["llama", "llama-deep"])
-    deep = root / "llama-deep"
-    sizes = header_sizes(deep)
+    sizes = header_sizes(hf_root / kind)
     checkpoint_mib = sum(sizes.values()) / MiB
     bound = bound_mib(sizes, TP)
-    assert checkpoint_mib > 48 * 13 and bound < checkpoint_mib / 4, (bound, checkpoint_mib)  # the test has teeth
-    python = shared_vllm_worker.python
-    options = ShardOptions(tensor_parallel_size=TP, engine="vllm-cpu", vllm_python=python, dtype="bfloat16")
+    assert bound < checkpoint_mib / 3, (bound, checkpoint_mib)  # the test has teeth
+    options = ShardOptions(
+        tensor_parallel_size=TP, engine="vllm-cpu", vllm_python=shared_vllm_worker.python, dtype="bfloat16"
+    )
     worker = shared_vllm_worker.get()
     warm = shard_checkpoint(
-        open_location(str(root / "llama")), open_location(str(tmp_path / "warm")), options, worker=worker
+        open_location(str(hf_root / "llama")), open_location(str(tmp_path / "warm")), options, worker=worker
     )
     baseline = reset_peak(worker)
-    result = shard_checkpoint(open_location(str(deep)), open_location(str(tmp_path / "out")), options, worker=worker)
+    result = shard_checkpoint(
+        open_location(str(hf_root / kind)), open_location(str(tmp_path / "out")), options, worker=worker
+    )
     whole_run = status_mib(worker.process.pid, "VmHWM")  # the write and vLLM's loader check after it
     document = result.to_json()
     written_peak = float(document["engine_report"]["peak_rss_mib"])  # VmHWM when the last tensor was sent
     print(
-        f"llama-deep {checkpoint_mib:.0f} MiB, TP {TP}: baseline {baseline:.0f} MiB (warm-up peak "
+        f"{kind} {checkpoint_mib:.0f} MiB, TP {TP}: baseline {baseline:.0f} MiB (warm-up peak "
         f"{warm.to_json()['engine_report']['peak_rss_mib']:.0f}), written peak {written_peak:.0f} MiB "
         f"(+{written_peak - baseline:.0f}), whole run {whole_run:.0f} MiB, bound +{bound:.0f} MiB; write "
         f"{document['write_seconds']} s of {document['seconds']} s"
