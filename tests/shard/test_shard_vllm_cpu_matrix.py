@@ -33,7 +33,7 @@ from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from vllm_cpu_helpers import SharedWorker
 
-pytestmark = requires_vllm_oracle
+pytestmark = [requires_vllm_oracle, pytest.mark.timeout(900)]  # the module fixture builds and shards every case
 
 # Several parts per rank for the larger tensors (a 40 kB part holds about half a tiny decoder layer).
 MAX_PART_SIZE = 40_000

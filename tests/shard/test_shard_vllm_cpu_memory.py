@@ -26,7 +26,7 @@ from streamctl.shard.vllm_worker import VllmWorker
 from streamctl.storage import open_location
 from vllm_cpu_helpers import SharedWorker
 
-pytestmark = requires_vllm_oracle
+pytestmark = [requires_vllm_oracle, pytest.mark.timeout(600)]
 
 MiB = 1024 * 1024
 TP = 2

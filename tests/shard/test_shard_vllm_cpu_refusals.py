@@ -22,7 +22,7 @@ import pytest
 from cli_helpers import CliResult, run_cli
 from oracle import oracle_python, quantize_fp8, requires_vllm_oracle, write_tiny_hf_models
 
-pytestmark = requires_vllm_oracle
+pytestmark = [requires_vllm_oracle, pytest.mark.timeout(900)]  # the module fixture runs every case
 
 WORKER_TIMEOUT_S = 300  # one CLI run: a worker start (vLLM's import, ~6-10 s) on 2 shared cores
 CONCURRENT_RUNS = 2
