@@ -2,10 +2,12 @@
 the test allows still shards, and the worker's peak RSS stays under the formula the design gives.
 
 The checkpoints are tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer)
-and `mixtral-deep` (32 layers of 8 experts: 411 MiB), served as bfloat16 at TP 2. The worker builds one decoder layer at a time, so its peak over what it held
-before the run must stay under largest decoder layer + largest layer / TP + the embedding and the head (all
-at the checkpoint's width), plus a fixed slack; the test first asserts that this bound is far below the
-checkpoint's size (a worker that held the model would exceed it). The peak is the worker process's own
+and `mixtral-deep` (32 layers of 8 experts: 411 MiB), served as bfloat16 at TP 2. The worker builds one
+decoder layer at a time, so its peak over what it held before the run must stay under largest decoder layer
++ largest layer / TP + the embedding and the head (all at the checkpoint's width), plus a fixed slack; the
+test first asserts that this bound is far below the checkpoint's size (a worker that held the model would
+exceed it). The bound is the write's: vLLM's loader check after it loads a whole rank (up to half the
+machine's memory, the parent's limit), so the run's peak is reported, not bounded. The peak is the worker process's own
 VmHWM, reset (/proc/PID/clear_refs) after a warm-up run of a tiny model, so vLLM's import is not counted.
 Skipped without STREAMCTL_VLLM_PYTHON.
 """
