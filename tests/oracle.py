@@ -232,12 +232,12 @@ def write_tiny_hf_models(root: str | Path, kinds: Sequence[str], timeout: float 
     return Path(root)
 
 
-def quantize_fp8(source: str | Path, dest: str | Path, kind: str, block: int | None = None) -> Path:
-    """An FP8 copy of a tiny checkpoint (tests/vllm_oracle/quantize_fp8.py): kind "ct" (compressed-tensors,
-    per-channel `weight_scale`) or "block" (DeepSeek-V3 style `weight_scale_inv`, blocks of `block`)."""
+def quantize_fp8(jobs: Sequence[tuple[str | Path, str | Path, str]], block: int | None = None) -> None:
+    """FP8 copies of tiny checkpoints, (SOURCE, DEST, kind) each, in ONE oracle process
+    (tests/vllm_oracle/quantize_fp8.py): kind "ct" (compressed-tensors, per-channel `weight_scale`) or
+    "block" (DeepSeek-V3 style `weight_scale_inv`, blocks of `block` x `block`; the script's default 16)."""
     env = {"FP8_BLOCK": str(block)} if block else {}
-    _run_script("quantize_fp8.py", [str(source), str(dest), kind], DEFAULT_TIMEOUT_S, env)
-    return Path(dest)
+    _run_script("quantize_fp8.py", [str(part) for job in jobs for part in job], DEFAULT_TIMEOUT_S, env)
 
 
 def installed_vllm_version() -> str:

