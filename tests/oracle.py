@@ -123,9 +123,12 @@ def check_sharded(
     dtype: str | None = None,
     load_format: str = "runai_streamer_sharded",
     timeout: float = DEFAULT_TIMEOUT_S,
+    ep: bool = False,
 ) -> dict[str, Any]:
-    """vLLM's verdict on SHARDED_DIR as the sharded form of HF_DIR at TP x PP (dtype: config's if None)."""
-    return check_sharded_many([_sharded_job(hf_dir, sharded_dir, tp, pp, pattern, dtype, load_format)], timeout)[0]
+    """vLLM's verdict on SHARDED_DIR as the sharded form of HF_DIR at TP x PP (dtype: config's if None;
+    ep: experts laid out with --enable-expert-parallel)."""
+    job = _sharded_job(hf_dir, sharded_dir, tp, pp, pattern, dtype, load_format, ep)
+    return check_sharded_many([job], timeout)[0]
 
 
 def check_sharded_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
