@@ -291,6 +291,26 @@ def test_an_interrupted_or_killed_run_leaves_nothing_under_a_final_name(
         assert manifest["complete"] is False
 
 
+@requires_vllm_oracle
+def test_a_dest_that_fails_mid_write_aborts_every_file(tmp_path: Path, tiny: dict[str, Path]) -> None:
+    """A rank file's write fails half-way (a file size limit: EFBIG on the writer thread): the error
+    names the file, every upload is aborted and what the run began is removed, DEST is left empty."""
+    import resource
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))  # the rank files are ~346 KiB
+
+    dest = tmp_path / "out"
+    command = [sys.executable, "-m", "streamctl", "shard", str(tiny["mixtral"]), str(dest), "-tp", "2", "--json"]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size, check=False
+    )
+    assert completed.returncode == 6, completed.stderr
+    error = json.loads(completed.stdout)["error"]
+    assert "model-rank-" in error["message"] and "File too large" in error["message"], error
+    assert not dest.exists() or sorted(dest.rglob("*")) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine options (no vLLM needed)
 
