@@ -100,6 +100,7 @@ def _sharded_job(
     pattern: str | None = None,
     dtype: str | None = None,
     load_format: str = "runai_streamer_sharded",
+    ep: bool = False,
 ) -> dict[str, Any]:
     return {
         "hf_dir": str(hf_dir),
@@ -109,6 +110,7 @@ def _sharded_job(
         "pattern": pattern,
         "dtype": dtype,
         "load_format": load_format,
+        "ep": ep,
     }
 
 
@@ -121,13 +123,17 @@ def check_sharded(
     dtype: str | None = None,
     load_format: str = "runai_streamer_sharded",
     timeout: float = DEFAULT_TIMEOUT_S,
+    ep: bool = False,
 ) -> dict[str, Any]:
-    """vLLM's verdict on SHARDED_DIR as the sharded form of HF_DIR at TP x PP (dtype: config's if None)."""
-    return check_sharded_many([_sharded_job(hf_dir, sharded_dir, tp, pp, pattern, dtype, load_format)], timeout)[0]
+    """vLLM's verdict on SHARDED_DIR as the sharded form of HF_DIR at TP x PP (dtype: config's if None;
+    ep: experts laid out with --enable-expert-parallel)."""
+    job = _sharded_job(hf_dir, sharded_dir, tp, pp, pattern, dtype, load_format, ep)
+    return check_sharded_many([job], timeout)[0]
 
 
 def check_sharded_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
-    """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments."""
+    """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments
+    (plus "ep": True for a layout with --enable-expert-parallel: experts split over the TP ranks)."""
     return _run_jobs("check_sharded.py", [_sharded_job(**job) for job in jobs], "jobs", timeout)
 
 
@@ -199,3 +205,49 @@ def stream_runai_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_T
 def pooling_config_many(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """vLLM's `get_pooling_config` per local folder: {"pooling": {key: str(value)} or None, "error"}."""
     return _run_jobs("pooling_config.py", [str(folder) for folder in folders], "results", timeout)
+
+
+def _run_script(script: str, args: Sequence[str], timeout: float, env: dict[str, str] | None = None) -> str:
+    """Run an oracle script that writes files (no JSON verdict); its stdout. Raises OracleError unless exit 0."""
+    python = oracle_python()
+    if python is None:
+        raise OracleError(f"{ENV_VAR} is unset; guard the test with @requires_vllm_oracle")
+    command = [python, str(SCRIPTS / script), *map(str, args)]
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise OracleError(f"{' '.join(command)}: {error}") from error
+    if done.returncode != 0:
+        raise OracleError(f"{script} exited {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def write_tiny_hf_models(root: str | Path, kinds: Sequence[str], timeout: float = DEFAULT_TIMEOUT_S) -> Path:
+    """Tiny random HF checkpoints written by transformers itself, ROOT/KIND/ per kind, in ONE oracle process
+    (tests/vllm_oracle/tiny_hf_models.py; ~5 s of imports): build them once per module or session."""
+    output = _run_script("tiny_hf_models.py", [str(root), *kinds], timeout)
+    failed = [line for line in output.splitlines() if ": FAILED " in line]
+    missing = [kind for kind in kinds if not (Path(root) / kind / "config.json").is_file()]
+    if failed or missing:
+        raise OracleError(f"tiny_hf_models.py could not write {missing}: {failed}")
+    return Path(root)
+
+
+def quantize_fp8(jobs: Sequence[tuple[str | Path, str | Path, str]], block: int | None = None) -> None:
+    """FP8 copies of tiny checkpoints, (SOURCE, DEST, kind) each, in ONE oracle process
+    (tests/vllm_oracle/quantize_fp8.py): kind "ct" (compressed-tensors, per-channel `weight_scale`) or
+    "block" (DeepSeek-V3 style `weight_scale_inv`, blocks of `block` x `block`; the script's default 16)."""
+    env = {"FP8_BLOCK": str(block)} if block else {}
+    _run_script("quantize_fp8.py", [str(part) for job in jobs for part in job], DEFAULT_TIMEOUT_S, env)
+
+
+def installed_vllm_version() -> str:
+    """The oracle venv's exact vLLM version, from its package metadata (no vLLM import)."""
+    python = oracle_python()
+    if python is None:
+        raise OracleError(f"{ENV_VAR} is unset; guard the test with @requires_vllm_oracle")
+    code = "import importlib.metadata as m; print(m.version('vllm'))"
+    done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip()

@@ -3,6 +3,7 @@
     quantize_fp8.py SRC DEST block      # DeepSeek-V3 style: quant_method fp8, weight_block_size [16, 16],
                                         # `weight` float8_e4m3fn + `weight_scale_inv` float32 per block
     quantize_fp8.py SRC DEST ct         # compressed-tensors float-quantized, per-channel `weight_scale`
+    quantize_fp8.py SRC DEST KIND SRC2 DEST2 KIND2 ...   # several in one process (one torch import)
 Every 2-D linear weight of the decoder layers is quantized (not embeddings, norms, lm_head, routers).
 """
 
@@ -94,4 +95,7 @@ def main(src: str, dest: str, kind: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if not sys.argv[1:] or len(sys.argv[1:]) % 3:
+        sys.exit("usage: quantize_fp8.py SRC DEST block|ct [SRC DEST block|ct ...]")
+    for at in range(1, len(sys.argv), 3):
+        main(*sys.argv[at : at + 3])

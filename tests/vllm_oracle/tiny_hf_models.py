@@ -2,7 +2,7 @@
 
     tiny_hf_models.py OUT_ROOT [KIND ...]     # writes OUT_ROOT/KIND/ (config.json + model.safetensors)
 
-Issue 12 spike: the architectures the offline table does not cover. hidden 64, 3 layers, 4 heads, 2 KV heads,
+Issue 12: the architectures the offline table does not cover, and its four (bf16). hidden 64, 3 layers, 4 heads, 2 KV heads,
 4 experts, vocab 128; bfloat16 (vLLM refuses float16 for Gemma 2/3).
 """
 
@@ -31,16 +31,23 @@ def configs() -> dict[str, Any]:
         Gemma3Config,
         Gemma3TextConfig,
         LlamaConfig,
+        MistralConfig,
         MixtralConfig,
         Phi3Config,
+        Qwen2Config,
         Qwen2MoeConfig,
         Qwen2VLConfig,
+        Qwen3Config,
         Qwen3MoeConfig,
         SiglipVisionConfig,
     )
 
     return {
+        # the offline table's four architectures (bf16: dtype auto means the same to both engines)
         "llama": lambda: LlamaConfig(**COMMON),
+        "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+        "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
+        "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),
         "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, head_dim=16, decoder_sparse_step=1),
         "qwen2-moe": lambda: Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=64),
@@ -106,6 +113,10 @@ def configs() -> dict[str, Any]:
             vision_end_token_id=154,
             tie_word_embeddings=False,
         ),
+        # experts that TP 4 cannot slice (intermediate 66) and EP 2 cannot split evenly (3 experts)
+        "mixtral-odd": lambda: MixtralConfig(
+            **{**COMMON, "intermediate_size": 66}, num_local_experts=3, num_experts_per_tok=2
+        ),
         # wide enough for FP8 blocks of [128, 128] (vLLM's CPU FP8 kernel wants K block 128)
         "llama-wide": lambda: LlamaConfig(
             **{
@@ -166,7 +177,7 @@ def write(root: str, kind: str) -> str:
 
 
 if __name__ == "__main__":
-    names = sys.argv[2:] or [k for k in configs() if not k.endswith(("-deep", "-wide"))]
+    names = sys.argv[2:] or [k for k in configs() if not k.endswith(("-deep", "-wide", "-odd"))]
     for name in names:
         try:
             print(write(sys.argv[1], name), flush=True)

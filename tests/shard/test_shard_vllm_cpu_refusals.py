@@ -1,0 +1,151 @@
+"""`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard (issue 12): an FP8
+block-quantized checkpoint (vLLM's CPU platform has no kernel for it), an architecture vLLM does not know, a
+TP that does not divide the heads or the experts, an EP that does not divide the experts, a truncated shard,
+a corrupt header. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),
+no traceback, nothing written to DEST. Tiny checkpoints are written by transformers itself, once per module;
+every CLI run is a process of its own with its own vLLM worker, so they run two at a time, once, in the
+module fixture. Skipped without STREAMCTL_VLLM_PYTHON.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cli_helpers import CliResult, run_cli
+from oracle import oracle_python, requires_vllm_oracle
+
+pytestmark = [requires_vllm_oracle, pytest.mark.timeout(900)]  # the module fixture runs every case
+
+WORKER_TIMEOUT_S = 300  # one CLI run: a worker start (vLLM's import, ~6-10 s) on 2 shared cores
+CONCURRENT_RUNS = 2
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: str  # the tiny model it starts from
+    args: tuple[str, ...]
+    spoil: Callable[[Path], None] | None = None  # breaks the copied checkpoint folder
+
+
+def _unknown_architecture(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
+
+
+def _truncate(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) - 1000])
+
+
+def _corrupt_header(folder: Path) -> None:
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 : 8 + length] = b"{" + b"\xff" * (length - 1)  # not JSON, same length: the data is untouched
+    weights.write_bytes(bytes(data))
+
+
+REFUSALS = {
+    # --engine auto picks vllm-cpu for a quantized checkpoint; blocks of [128, 128] (conftest.FP8_BLOCK)
+    "fp8-block": Refusal("llama-fp8-block", ("-tp", "1", "--json")),
+    "unknown-architecture": Refusal("mixtral", ("-tp", "2"), _unknown_architecture),
+    "tp-heads": Refusal("mixtral", ("-tp", "3")),
+    # mixtral-odd's experts have intermediate size 66: TP 4 cannot slice them (its 4 heads it can)
+    "tp-experts": Refusal("mixtral-odd", ("-tp", "4")),
+    # 3 experts over EP 2: vLLM itself gives rank 0 two and rank 1 one (determine_expert_map), but a stage's
+    # rank files must hold the same names and shapes on every TP rank (one plan per stage)
+    "ep-experts": Refusal("mixtral-odd", ("-tp", "2", "--enable-expert-parallel")),
+    "truncated": Refusal("mixtral", ("-tp", "2"), _truncate),
+    "corrupt-header": Refusal("mixtral", ("-tp", "2"), _corrupt_header),
+}
+
+
+@dataclass(frozen=True)
+class Ran:
+    result: CliResult
+    dest: Path
+
+
+@pytest.fixture(scope="module")
+def ran(tiny_hf_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
+    root = tiny_hf_root  # tests/shard/conftest.py: written once per session
+    python = oracle_python()
+    assert python is not None
+    work = tmp_path_factory.mktemp("refusals")
+
+    def run(name: str) -> Ran:
+        refusal = REFUSALS[name]
+        source, dest = root / refusal.kind, work / name / "out"
+        if refusal.spoil is not None:
+            source = Path(shutil.copytree(root / refusal.kind, work / name / "hf"))
+            refusal.spoil(source)
+        env = {"STREAMCTL_VLLM_PYTHON": python}
+        return Ran(run_cli("shard", str(source), str(dest), *refusal.args, env=env, timeout=WORKER_TIMEOUT_S), dest)
+
+    with ThreadPoolExecutor(CONCURRENT_RUNS) as pool:
+        return dict(zip(REFUSALS, pool.map(run, REFUSALS), strict=True))
+
+
+def _nothing_written(ran: Ran) -> None:
+    assert not ran.dest.exists() or not any(ran.dest.iterdir()), sorted(p.name for p in ran.dest.rglob("*"))
+
+
+def _refused(ran: Ran, *words: str) -> str:
+    """Exit 2, exactly one `error:` line holding every word, no traceback, nothing in DEST; the line."""
+    result = ran.result
+    assert result.exit_code == 2, (result.exit_code, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    _nothing_written(ran)
+    return lines[0]
+
+
+def test_fp8_block_quantized_is_refused_naming_what_the_cpu_lacks(ran: dict[str, Ran]) -> None:
+    """vLLM's CPU platform cannot build the FP8 block method: no AMX tiles here, and the CUDA wheel has no
+    vllm._C fp8_scaled_mm_cpu. With --json: the error document on stdout."""
+    result = ran["fp8-block"].result
+    assert result.exit_code == 2, (result.exit_code, result.stderr[-3000:])
+    document = json.loads(result.stdout)
+    assert document["ok"] is False
+    error = document["error"]
+    assert (error["code"], error["exit_code"]) == ("unsupported-quantization", 2), error
+    assert "\n" not in error["message"]
+    assert "AMX" in error["message"] and "fp8_scaled_mm_cpu" in error["message"], error
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    _nothing_written(ran["fp8-block"])
+
+
+def test_an_architecture_vllm_does_not_know(ran: dict[str, Ran]) -> None:
+    _refused(ran["unknown-architecture"], "FooForCausalLM", "not supported")
+
+
+def test_a_tp_that_does_not_divide_the_heads(ran: dict[str, Ran]) -> None:
+    _refused(ran["tp-heads"], "attention heads (4)", "tensor parallel size (3)")
+
+
+def test_a_tp_that_does_not_divide_the_experts(ran: dict[str, Ran]) -> None:
+    _refused(ran["tp-experts"], "66", "4")
+
+
+def test_an_ep_that_does_not_divide_the_experts(ran: dict[str, Ran]) -> None:
+    _refused(ran["ep-experts"], "3", "expert")
+
+
+def test_a_truncated_shard(ran: dict[str, Ran]) -> None:
+    _refused(ran["truncated"], "model.safetensors")
+
+
+def test_a_corrupt_header(ran: dict[str, Ran]) -> None:
+    _refused(ran["corrupt-header"], "model.safetensors")
