@@ -120,8 +120,44 @@ def one_line(error: BaseException) -> str:
             text = "; ".join(str(item.get("msg", "")) for item in errors())
         except Exception:  # noqa: BLE001 - not pydantic's errors(): str() below
             text = ""
+    if not text and not str(error) and isinstance(error, AssertionError):
+        text = _failed_assertion(error)
     text = " ".join((text or str(error) or type(error).__name__).split())
+    text = _SUPPORTED_LIST.sub(r"\1 listed in vLLM's docs (Supported Models)", text)
     return text if len(text) <= MESSAGE_LIMIT else text[: MESSAGE_LIMIT - 1] + "…"
+
+
+# vLLM's "not supported" error lists all of its ~300 architectures: the user needs the first sentence.
+_SUPPORTED_LIST = re.compile(r"(Supported architectures:) dict_keys\(\[.*?\]\)")
+_NAME_IN_ASSERTION = re.compile(r"\b(self\.[A-Za-z_]\w*|[A-Za-z_]\w*)\b")
+
+
+def _failed_assertion(error: AssertionError) -> str:
+    """A bare `assert` of vLLM's (no message): its source line and the values of the names in it, from the
+    failing frame (e.g. "assert self.intermediate_size % tp_size == 0 (self.intermediate_size=66,
+    tp_size=4; fused_moe/config.py:90)"), so the user sees which size does not divide."""
+    import linecache
+
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None:
+        return "AssertionError"
+    frame, lineno = tb.tb_frame, tb.tb_lineno
+    line = linecache.getline(frame.f_code.co_filename, lineno).strip() or "assert"
+    values = []
+    for name in dict.fromkeys(_NAME_IN_ASSERTION.findall(line.removeprefix("assert"))):
+        owner, _, attribute = name.partition(".")
+        value = frame.f_locals.get(owner, _MISSING)
+        if attribute and value is not _MISSING:
+            value = getattr(value, attribute, _MISSING)
+        if isinstance(value, int | float | str | bool) and not isinstance(value, type):
+            values.append(f"{name}={value!r}")
+    where = "/".join(frame.f_code.co_filename.split("/")[-2:])
+    return f"vLLM's check failed: {line} ({', '.join(values)}{'; ' if values else ''}{where}:{lineno})"
+
+
+_MISSING = object()
 
 
 # --- the pipe ---------------------------------------------------------------------------------------------
@@ -381,12 +417,18 @@ def _classify_build_error(error: Exception, quantization: str | None) -> WorkerE
     message = one_line(error)
     if isinstance(error, WorkerError):
         return error
-    if "divisible" in message:
+    if "divisible" in message or (
+        isinstance(error, AssertionError) and any(word in message for word in _PARALLEL_WORDS)
+    ):
         return WorkerError("bad-parallel-size", message)
     if quantization and ("kernel" in message.lower() or "quantiz" in message.lower()):
         extra = f" ({FP8_BLOCK_MISSING})" if "ScaledMM" in message or "Fp8" in message else ""
         return WorkerError("unsupported-quantization", message + extra)
     return WorkerError("internal", f"building the model: {message}")
+
+
+# What a bare assertion about the parallel layout mentions (vLLM's `assert x % tp_size == 0` style checks).
+_PARALLEL_WORDS = ("tp_size", "ep_size", "world_size", "tp_rank", "ep_rank", "parallel", "num_experts")
 
 
 def _config_or_refusal(request: dict[str, Any]) -> Any:
@@ -467,6 +509,16 @@ def plan_stage_names(
         del model
         if tp_rank == 0:
             first = tensors
+        elif tensors != first and plan.ep and [t.name for t in tensors] == [t.name for t in first]:
+            # vLLM gives the first ranks one expert more when EP does not divide the experts; vLLM's
+            # sharded-state files could hold that, streamctl's planner writes equal-shaped ranks only.
+            raise WorkerError(
+                "bad-parallel-size",
+                f"expert parallelism over {plan.tp} ranks does not divide this model's experts, so vLLM gives "
+                f"the ranks different numbers of them ({_describe_difference(first, tensors)}); streamctl writes "
+                f"ranks of equal shapes only: use a TP size that divides the number of experts, or no "
+                f"--enable-expert-parallel",
+            )
         elif tensors != first:
             raise WorkerError(
                 "internal",
