@@ -181,7 +181,7 @@ def engine_outputs(
             tp,
             pipeline_parallel_size=pp,
             pattern=pattern,
-            engine="vllm",
+            engine="vllm-gpu",
             **({"max_part_size": max_size} if max_size else {}),
         )
         dest = workdir / "engine" / name
@@ -418,7 +418,7 @@ def test_engine_vllm_path_on_vllms_own_files(
     arguments = json.loads(commands[0][-1])
     assert (arguments["tensor_parallel_size"], arguments["pipeline_parallel_size"]) == (tp, pp)
     assert arguments["max_size"] == (max_size or 5 * 1024**3) and arguments["pattern"] == result.plan.pattern
-    assert result.engine == "vllm" and result.ok
+    assert result.engine == "vllm-gpu" and result.ok
     assert result.reconstruction is not None and result.reconstruction.ok and result.reconstruction.tensors > 0
     non_empty = sorted(
         (path for path in reference.glob("*.safetensors") if read_safetensors(path)), key=lambda path: path.name
@@ -435,7 +435,7 @@ def test_engine_vllm_path_on_vllms_own_files(
             assert [p.read_bytes() for p in ours] == [p.read_bytes() for p in theirs]
     manifest = json.loads((dest / "streamctl-shard-manifest.json").read_text())
     listed = {file["path"]: file["sha256"] for rank in manifest["ranks"] for file in rank["files"]}
-    assert manifest["engine"] == "vllm" and listed == digest
+    assert manifest["engine"] == "vllm-gpu" and listed == digest
     verdict = verdicts[f"engine-vllm-{name}"]
     assert verdict["ok"], _why(verdict)
     assert all(rank["warnings"] == [] for rank in verdict["ranks"]), _why(verdict)

@@ -75,6 +75,14 @@ class DeadlineExceededError(RemoteError):
     do not retry it again (each retry would cost another full deadline)."""
 
 
+class EngineFailed(RemoteError):
+    """The engine streamctl runs beside itself (`shard --engine vllm-cpu`'s vLLM worker process) died or
+    broke its pipe protocol: a service that failed mid-request, so exit 6 as for any other (not retried:
+    the process is gone, or in a state nothing can trust)."""
+
+    code = "engine-failed"
+
+
 class VerificationFailed(StreamctlError):
     """A verification ran to the end and found errors."""
 

@@ -509,7 +509,7 @@ def render_shard_result(result: ShardResult) -> None:
     ]  # fmt: skip
     print_table(console, columns, rows, title=f"{plan.source} -> {plan.dest}")
     parallel = f"TP {plan.tensor_parallel_size} x PP {plan.pipeline_parallel_size}"
-    layout = f"{parallel}, {plan.row.label}, pattern {plan.pattern}"
+    layout = f"{parallel}, {plan.layout}, pattern {plan.pattern}"
     removed = f"; removed {plural(len(result.removed), 'stale file')}" if result.removed else ""
     foreign = sum(1 for item in plan.left_alone if not item.streamctl)
     if foreign:
@@ -536,6 +536,13 @@ def render_shard_checks(result: ShardResult) -> None:
         for problem in reconstruction.problems:
             console.print(f"[red]reconstruction:[/] {escape(problem)}", highlight=False)
     verify = "[green]OK[/]" if result.verify.ok else "[bold red]FAILED[/]"
+    if result.tensor_check is not None:
+        for problem in (*result.tensor_check.problems, *(result.loader_check.problems if result.loader_check else ())):
+            console.print(f"[red]tensor check:[/] {escape(problem)}", highlight=False)
+        print_phrases(
+            console, ["checks:", "verify-index --sharded", f"{verify};", *_vllm_cpu_checks(result)], separator=" "
+        )
+        return
     if reconstruction is None:
         rebuilt = ["[yellow]skipped[/]", "(architecture outside the layout table)"]
     else:
@@ -545,6 +552,26 @@ def render_shard_checks(result: ShardResult) -> None:
     print_phrases(
         console, ["checks:", "verify-index --sharded", f"{verify};", "reconstruction", *rebuilt], separator=" "
     )
+
+
+def _vllm_cpu_checks(result: ShardResult) -> list[str]:
+    """vllm-cpu's two checks beside verify-index: tensors against vLLM's rank models, vLLM's own loader."""
+    digests, loader = result.tensor_check, result.loader_check
+    assert digests is not None
+    state = "[green]OK[/]" if digests.ok else "[bold red]FAILED[/]"
+    reused = f", {plural(digests.reused_files, 'reused file')} by sha256" if digests.reused_files else ""
+    phrases = [
+        "tensors vs vLLM's rank models",
+        state,
+        f"({plural(digests.tensors, 'tensor')}, {human_bytes(digests.bytes_compared)} re-read{reused});",
+        "vLLM's ShardedStateLoader",
+    ]
+    if loader is None:
+        return [*phrases, "[yellow]skipped[/]", "(DEST is not a local folder)"]
+    state = "[green]OK[/]" if loader.ok else "[bold red]FAILED[/]"
+    skipped = len(loader.ranks) - loader.checked
+    memory = f", {plural(skipped, 'rank')} skipped for memory" if skipped else ""
+    return [*phrases, state, f"({plural(loader.checked, 'rank')} loaded{memory})"]
 
 
 # =========================================================================================================

@@ -187,7 +187,8 @@ USE = r"[\"'](STREAMCTL_\w+)[\"']|\$\{?(STREAMCTL_\w+)|\b(STREAMCTL_\w+)="
 
 def test_option_variables_are_not_the_projects_other_variables() -> None:
     """STREAMCTL_AZURITE, STREAMCTL_LEASE_TTL, ... configure the tests and the library; no option may share a name
-    with one (only --debug's STREAMCTL_DEBUG is both, on purpose: it is the same setting)."""
+    with one (only --debug's STREAMCTL_DEBUG and shard's --vllm-python STREAMCTL_VLLM_PYTHON, the tests' vLLM
+    oracle python, are both, on purpose: each is the same setting)."""
     used: set[str] = set()
     about_options = (Path(__file__).parent, REPO / "cli" / "streamctl" / "commands" / "_environment.py")
     for place in (REPO / ".ci", REPO / "bench", REPO / "tests", REPO / "cli" / "streamctl"):
@@ -200,4 +201,4 @@ def test_option_variables_are_not_the_projects_other_variables() -> None:
                 used |= {"".join(names) for names in re.findall(USE, path.read_text(errors="replace"))}
     assert "STREAMCTL_AZURITE" in used and "STREAMCTL_LEASE_TTL" in used  # the scan itself works
     ours = {variable_name(option) for command in commands().values() for option in options(command)}
-    assert ours & used == {"STREAMCTL_DEBUG"}
+    assert ours & used == {"STREAMCTL_DEBUG", "STREAMCTL_VLLM_PYTHON"}

@@ -395,7 +395,7 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     now = datetime.now(UTC)
     other = Holder("o" * 32, "gpu-node-2", 77, "streamctl shard x y", now, now, now + timedelta(minutes=2))
     version = dest.store.create_if_absent(dest.key(LEASE_NAME), other.to_bytes())
-    options = ShardOptions(2, engine="vllm")
+    options = ShardOptions(2, engine="vllm-gpu")
     with pytest.raises(DestinationBusy, match="gpu-node-2, pid 77"):
         shard_module.shard_with_vllm(open_location(str(tmp_path / "hf")), dest, options, runner=fake_vllm)
     assert calls == []  # refused before starting an engine

@@ -153,7 +153,7 @@ def test_shard_with_the_vllm_engine_refuses_an_alias_before_starting_vllm(tmp_pa
         shard_with_vllm(
             open_location(str(tmp_path / "hf")),
             open_location(str(tmp_path / "link")),
-            ShardOptions(tensor_parallel_size=2, engine="vllm", force=True),
+            ShardOptions(tensor_parallel_size=2, engine="vllm-gpu", force=True),
             runner=runner,
         )
     assert snapshot(tmp_path / "hf") == before

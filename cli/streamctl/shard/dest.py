@@ -118,12 +118,13 @@ def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dic
         manifest.get(key) == value
         for key, value in (
             ("source", plan.source),
-            ("engine", "offline"),
+            ("engine", plan.engine),
             ("tensor_parallel_size", plan.tensor_parallel_size),
             ("pipeline_parallel_size", plan.pipeline_parallel_size),
             ("pattern", plan.pattern),
             ("vllm_version", plan.vllm_version),
-            ("layout", plan.row.label),
+            ("layout", plan.layout),
+            *plan.engine_settings.items(),
             ("dtype", plan.dtype),
             ("max_part_size", plan.max_part_size),
             ("source_files", [list(entry) for entry in plan.source_files]),

@@ -31,7 +31,12 @@ READ_BLOCK = 4 * MiB
 MAX_BUFFER = 128 * MiB  # bytes read (and copied) but not yet written, at most
 
 DtypeChoice = Literal["auto", "bfloat16", "float16", "float32"]
-Engine = Literal["offline", "vllm"]
+# The engine that made a run's files (recorded in its manifest), and what --engine may name ("auto" picks
+# one of them from config.json; "vllm" is accepted as the old name of "vllm-gpu").
+Engine = Literal["offline", "vllm-cpu", "vllm-gpu"]
+EngineChoice = Literal["auto", "offline", "vllm-cpu", "vllm-gpu"]
+ENGINE_CHOICES: tuple[str, ...] = ("auto", "offline", "vllm-cpu", "vllm-gpu")
+ENGINE_ALIASES: Mapping[str, str] = {"vllm": "vllm-gpu"}
 DTYPE_CHOICES: Mapping[str, str | None] = {"auto": None, "bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
@@ -45,8 +50,14 @@ class ShardOptions:
     pattern: str | None = None  # None: vLLM's default for the PP size
     max_part_size: int = DEFAULT_MAX_PART_SIZE
     dtype: DtypeChoice = "auto"  # auto keeps each tensor's checkpoint dtype
-    vllm_version: str | None = None  # None: the installed vllm's, else the newest layout row
-    engine: Engine = "offline"
+    # offline: the layout row's vLLM (None: the installed vllm's, else the newest row); vllm-cpu: the vLLM
+    # environment's version (None: the newest layout row's, built and cached once).
+    vllm_version: str | None = None
+    engine: EngineChoice = "auto"
+    vllm_python: str | None = None  # vllm-cpu: an existing vLLM environment's python (else one is made)
+    enable_expert_parallel: bool = False  # vLLM's --enable-expert-parallel: experts split over the TP ranks
+    data_parallel_size: int = 1  # only 1: see validate
+    engine_logs: bool = False  # vllm-cpu: forward vLLM's own log lines (the worker's stderr) to the progress log
     force: bool = False
     layer_partition: str | None = None  # VLLM_PP_LAYER_PARTITION, e.g. "5,5,6"
     upload_chunk: int = UPLOAD_CHUNK  # part size of bucket uploads
@@ -68,10 +79,35 @@ class ShardOptions:
             raise UsageError("--max-part-size must be positive")
         if self.dtype not in DTYPE_CHOICES:
             raise UsageError(f"unknown --dtype {self.dtype!r}", hint=f"use one of {', '.join(DTYPE_CHOICES)}")
-        if self.engine not in ("offline", "vllm"):
-            raise UsageError(f"unknown --engine {self.engine!r}", hint="use offline or vllm")
+        if self.engine not in ENGINE_CHOICES:
+            raise UsageError(f"unknown --engine {self.engine!r}", hint=f"use one of {', '.join(ENGINE_CHOICES)}")
+        self._validate_parallel_engine()
         if self.upload_chunk < 1 or self.read_block < 1 or self.max_buffer < self.read_block:
             raise UsageError("the upload chunk and read block must be positive, the block no larger than the buffer")
+
+    def _validate_parallel_engine(self) -> None:
+        if self.data_parallel_size < 1:
+            raise UsageError(
+                f"--data-parallel-size must be at least 1, not {shown_number(self.data_parallel_size)}",
+                code="bad-option-value",
+            )
+        if self.data_parallel_size > 1:
+            # vllm/model_executor/model_loader/sharded_state_loader.py (0.33), _render_default_pattern: a file
+            # name is `pattern.format(pp_rank=..., tp_rank=..., rank=tp_rank, part=...)` and any other field
+            # is refused, so two DP replicas' ranks with the same TP rank load the same files, while under
+            # expert parallelism (EP world = DP x TP) they hold different experts.
+            raise UsageError(
+                f"--data-parallel-size {self.data_parallel_size}: vLLM's sharded-state file names carry the TP "
+                "(and PP) rank only, not the data-parallel rank, so every DP replica loads the same rank files "
+                "and ranks of different replicas cannot hold different experts",
+                hint="shard for one replica (--data-parallel-size 1) and serve every replica from the same files",
+                code="bad-option-value",
+            )
+        if self.enable_expert_parallel and self.engine == "offline":
+            raise UsageError(
+                "--enable-expert-parallel: the offline writer lays out no experts",
+                hint="use --engine vllm-cpu (or auto)",
+            )
 
 
 # =============================================================================================== model
@@ -181,6 +217,15 @@ class ShardPlan:
     source_files: tuple[tuple[str, int, str | None], ...] = ()
     # DEST rank files a completed earlier run of this same plan left, unchanged: path -> their sha256.
     reused: Mapping[str, str] = field(default_factory=dict)
+    engine: Engine = "offline"  # what lays the files out (a re-run reuses files of the same engine only)
+    layout_label: str | None = None  # what decided the layout when no table row did (vllm-cpu)
+    # Settings of the engine beyond the table's, recorded in the manifest and compared by a re-run
+    # (vllm-cpu: expert parallelism, served dtype, build shims, quantization method).
+    engine_settings: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def layout(self) -> str:
+        return self.layout_label or self.row.label
 
     def files(self) -> list[PlannedFile]:
         return [file for stage in self.stages for file in stage_files(self, stage)]

@@ -70,7 +70,7 @@ def read_json_object(location: Location, name: str, size: int) -> dict[str, Any]
 
 
 def _engine_hint() -> str:
-    return "use --engine vllm, which runs vLLM's own save path (needs vllm and GPUs)"
+    return "use --engine vllm-cpu (or auto), which lays the files out with vLLM's own model code on the CPU"
 
 
 def _int_field(config: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -199,7 +199,7 @@ def list_source(source: Location) -> SourceListing:
     )
 
 
-def _weight_files(source: Location, listing: SourceListing) -> list[str]:
+def weight_files(source: Location, listing: SourceListing) -> list[str]:
     top = {name: size for name, size in listing.sizes.items() if "/" not in name}
     if INDEX_NAME in top:
         files = parse_index(INDEX_NAME, _read_small(source, INDEX_NAME, top[INDEX_NAME], MAX_INDEX_BYTES)).files
@@ -224,7 +224,7 @@ def _weight_files(source: Location, listing: SourceListing) -> list[str]:
     raise NotFoundError(f"no .safetensors files under {source.url}")
 
 
-def _read_source_tensors(source: Location, listing: SourceListing, files: Sequence[str]) -> dict[str, SourceTensor]:
+def read_source_tensors(source: Location, listing: SourceListing, files: Sequence[str]) -> dict[str, SourceTensor]:
     tensors: dict[str, SourceTensor] = {}
     for file in files:
         size = listing.sizes[file]
@@ -386,7 +386,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
 
     listing = list_source(source)
     if CONFIG_NAME not in listing.sizes:
-        _weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
+        weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
         raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
     config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
     architecture, layout = _check_supported(config, row)
@@ -401,7 +401,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
                 hint="use fewer stages or set VLLM_PP_LAYER_PARTITION",
             )
 
-    tensors = _read_source_tensors(source, listing, _weight_files(source, listing))
+    tensors = read_source_tensors(source, listing, weight_files(source, listing))
     stages = []
     for pp_rank, layers in enumerate(stage_layers):
         rules = _stage_rules(row, layout, config, dims, layers, pp_rank == 0, pp_rank == pp - 1)

@@ -3,14 +3,15 @@ and DEST's shard manifest, written `"complete": false` before the first byte and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, notes_to_json
 from streamctl.errors import VerificationFailed
 from streamctl.shard.checks import ReconstructionReport
 from streamctl.shard.plan import Engine, ShardPlan
+from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigestReport
 from streamctl.storage.base import ListingNote, Location
 from streamctl.uploads import CopiedFile, write_manifest
 from streamctl.verify.report import VerifyReport
@@ -38,14 +39,27 @@ class ShardResult:
     seconds: float  # the whole run: plan, write, copy and both checks
     write_seconds: float  # planning and writing the weights, until every file is complete
     verify: VerifyReport
-    reconstruction: ReconstructionReport | None  # None: architecture outside the table (--engine vllm)
+    reconstruction: ReconstructionReport | None  # None: no layout table row (vllm-gpu, vllm-cpu)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
     notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
     skipped: tuple[str, ...] = ()  # rank files already in DEST from an identical earlier run, not rewritten
+    tensor_check: TensorDigestReport | None = None  # vllm-cpu: every tensor re-read against vLLM's rank model
+    loader_check: LoaderCheckReport | None = None  # vllm-cpu, local DEST: vLLM's ShardedStateLoader on the files
+    engine_report: Mapping[str, Any] = field(default_factory=dict)  # what the engine says of its run (vllm-cpu)
+
+    @property
+    def checks_failed(self) -> tuple[str, ...]:
+        checks = (
+            ("verify", self.verify),
+            ("reconstruction", self.reconstruction),
+            ("tensor", self.tensor_check),
+            ("vLLM loader", self.loader_check),
+        )
+        return tuple(name for name, check in checks if check is not None and not check.ok)
 
     @property
     def ok(self) -> bool:
-        return self.verify.ok and (self.reconstruction is None or self.reconstruction.ok)
+        return not self.checks_failed
 
     @property
     def throughput_mb_s(self) -> float:
@@ -60,8 +74,9 @@ class ShardResult:
             "pipeline_parallel_size": plan.pipeline_parallel_size,
             "pattern": plan.pattern,
             "vllm_version": plan.vllm_version,
-            "layout": plan.row.label,
+            "layout": plan.layout,
             "engine": self.engine,
+            **plan.engine_settings,
             "dtype": plan.dtype,
             "files": [
                 {
@@ -89,7 +104,10 @@ class ShardResult:
             "checks": {
                 "verify": self.verify.to_json(),
                 "reconstruction": self.reconstruction.to_json() if self.reconstruction else None,
+                "tensors": self.tensor_check.to_json() if self.tensor_check else None,
+                "vllm_loader": self.loader_check.to_json() if self.loader_check else None,
             },
+            **({"engine_report": dict(self.engine_report)} if self.engine_report else {}),
         }
 
 
@@ -99,8 +117,7 @@ class ShardCheckFailed(VerificationFailed):
     code = "shard-check-failed"
 
     def __init__(self, result: ShardResult) -> None:
-        reconstruction_ok = result.reconstruction is None or result.reconstruction.ok
-        failed = [name for name, ok in (("verify", result.verify.ok), ("reconstruction", reconstruction_ok)) if not ok]
+        failed = result.checks_failed
         super().__init__(
             f"{result.plan.dest}: the {' and '.join(failed)} check failed after writing",
             hint="the files are left in place for inspection, marked incomplete (verify-index and serve refuse "
@@ -122,7 +139,8 @@ def write_shard_manifest(dest: Location, result: ShardResult) -> None:
         "pipeline_parallel_size": plan.pipeline_parallel_size,
         "pattern": plan.pattern,
         "vllm_version": plan.vllm_version,
-        "layout": plan.row.label,
+        "layout": plan.layout,
+        **plan.engine_settings,
         "dtype": plan.dtype,
         "max_part_size": plan.max_part_size,
         "source_files": [list(entry) for entry in plan.source_files],

@@ -1,4 +1,4 @@
-"""`--engine vllm`: vLLM's own `save_sharded_state` (shard/vllm_save.py, in a subprocess on GPUs) writes into
+"""`--engine vllm-gpu` (formerly `vllm`): vLLM's own `save_sharded_state` (shard/vllm_save.py, in a subprocess on GPUs) writes into
 a temporary folder; its files are then streamed to DEST and checked and recorded as the offline writer's are."""
 
 from __future__ import annotations
@@ -47,19 +47,19 @@ def _find_gpus() -> bool:
 
 
 def check_vllm_engine_available() -> None:
-    """The error naming what is missing for --engine vllm: the vllm package (exit 127, as for every missing
+    """The error naming what is missing for --engine vllm-gpu: the vllm package (exit 127, as for every missing
     program or extra), or CUDA GPUs (exit 2: nothing to install fixes that here)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         raise MissingProgramError(
-            "--engine vllm needs the vllm package in this Python environment, and it is not installed",
-            hint="pip install 'streamctl[vllm]' on a machine with GPUs, or use --engine offline",
+            "--engine vllm-gpu needs the vllm package in this Python environment, and it is not installed",
+            hint="pip install 'streamctl[vllm]' on a machine with GPUs, or use --engine vllm-cpu",
         )
     if not _find_gpus():
         raise UsageError(
-            "--engine vllm needs CUDA GPUs (one per TP x PP rank), and this machine has none",
-            hint="run it on a GPU machine, or use --engine offline",
+            "--engine vllm-gpu needs CUDA GPUs (one per TP x PP rank), and this machine has none",
+            hint="run it on a GPU machine, or use --engine vllm-cpu (vLLM's own model code on this CPU)",
         )
 
 
@@ -75,7 +75,9 @@ def shard_with_vllm(
     so the GPUs and torch are released afterwards), then the same copy to DEST, manifest and checks."""
     options.validate()
     if source.store.scheme != "file":
-        raise UsageError("--engine vllm needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`")
+        raise UsageError(
+            "--engine vllm-gpu needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`"
+        )
     check_disjoint(source, dest)
     check_vllm_engine_available()
     started = time.monotonic()
@@ -120,6 +122,7 @@ def _shard_with_vllm_leased(
             "dtype": options.dtype,
             "pattern": pattern,
             "max_size": options.max_part_size,
+            "enable_expert_parallel": options.enable_expert_parallel,
         }
         # -P: the script's folder (this package) is not put on the path of vLLM's Python.
         command = [sys.executable, "-P", str(VLLM_SAVE_SCRIPT), json.dumps(arguments)]
@@ -135,7 +138,7 @@ def _shard_with_vllm_leased(
         discarded = discard_unfinished_uploads(dest, ours, progress, lease.acquired_at)
         architecture = str((config.get("architectures") or ["?"])[0])
         plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, cleanup, architecture)
-        copied, created = begin_run(source, dest, plan, "vllm", [path for path, _ in serving], options, progress)
+        copied, created = begin_run(source, dest, plan, "vllm-gpu", [path for path, _ in serving], options, progress)
         files = undo_on_failure(
             dest, created, progress, partial(_copy_saved_files, saved, dest, pattern, options, progress)
         )
@@ -145,7 +148,7 @@ def _shard_with_vllm_leased(
     verify, reconstruction = check_written(source, dest, plan, options, progress, dtype_from_files=True)
     result = ShardResult(
         plan,
-        "vllm",
+        "vllm-gpu",
         files,
         copied,
         removed,

@@ -1,4 +1,4 @@
-"""The script `--engine vllm` runs in its subprocess (by path, in vLLM's Python): build a vLLM engine at the
+"""The script `--engine vllm-gpu` runs in its subprocess (by path, in vLLM's Python): build a vLLM engine at the
 requested TP/PP and save its sharded state, as vLLM's examples/features/sharded_state script does."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ NO_GPUS_EXIT = 3  # fewer CUDA GPUs than TP x PP ranks: nothing was built or wri
 
 def main(argv: list[str]) -> int:
     """`argv`: one JSON object (model, output, tensor_parallel_size, pipeline_parallel_size, dtype, pattern,
-    max_size). Imports torch and vllm only here: they exist in vLLM's environment, not streamctl's."""
+    max_size, enable_expert_parallel). Imports torch and vllm only here: they exist in vLLM's environment, not streamctl's."""
     args = json.loads(argv[0])
     import torch
 
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
         pipeline_parallel_size=args["pipeline_parallel_size"],
         dtype=args["dtype"],
         enforce_eager=True,
+        enable_expert_parallel=bool(args.get("enable_expert_parallel", False)),
     )
     # As vLLM's examples/features/sharded_state/save_sharded_state_offline.py does.
     llm.llm_engine.engine_core.save_sharded_state(

@@ -1,0 +1,155 @@
+"""`--engine vllm-cpu`'s checks after writing, beside verify-index --sharded: every written tensor re-read
+from DEST and its sha256 compared with the one the worker computed on vLLM's rank model
+(`check_tensor_digests`), and, for a local DEST, vLLM's own ShardedStateLoader run by the worker on the
+written files (`LoaderCheckReport`, from the worker's "checked" frame)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.retry import RetryPolicy, with_retries
+from streamctl.shard.checks import RECONSTRUCTION_THREADS, WrittenTensor, read_written_headers
+from streamctl.shard.plan import READ_BLOCK, ShardPlan
+from streamctl.storage.base import Location
+from streamctl.uploads import Cancelled
+
+# (pp_rank, tp_rank, tensor name) -> the sha256 of its bytes as the worker sent them
+TensorDigests = Mapping[tuple[int, int, str], str]
+MAX_PROBLEMS_SHOWN = 50
+
+
+@dataclass(frozen=True)
+class TensorDigestReport:
+    ok: bool
+    tensors: int  # rank tensors re-read from DEST and hashed
+    bytes_compared: int
+    problems: tuple[str, ...]
+    reused_files: int = 0  # rank files a re-run kept: checked by their whole-file sha256 instead
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "tensors": self.tensors,
+            "bytes_compared": self.bytes_compared,
+            "reused_files": self.reused_files,
+            "problems": list(self.problems),
+        }
+
+
+@dataclass(frozen=True)
+class LoaderCheckReport:
+    """vLLM's ShardedStateLoader on the written rank files (the worker's "checked" frame)."""
+
+    ok: bool
+    loader: str
+    ranks: tuple[Mapping[str, Any], ...]  # {"pp_rank", "tp_rank", "ok", "tensors", "problems", "skipped"}
+    peak_rss_mib: float | None = None
+    missing: tuple[tuple[int, int], ...] = ()  # (pp_rank, tp_rank) written by this run that the worker did not check
+
+    @property
+    def checked(self) -> int:
+        return sum(1 for rank in self.ranks if not rank.get("skipped"))
+
+    @property
+    def problems(self) -> tuple[str, ...]:
+        unchecked = tuple(f"PP stage {pp}, TP rank {tp}: written but not loaded by vLLM" for pp, tp in self.missing)
+        return unchecked + tuple(
+            f"PP stage {rank.get('pp_rank')}, TP rank {rank.get('tp_rank')}: {problem}"
+            for rank in self.ranks
+            for problem in (
+                rank.get("problems") or (["failed"] if not rank.get("ok") and not rank.get("skipped") else [])
+            )
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "loader": self.loader,
+            "ranks_checked": self.checked,
+            "ranks": [dict(rank) for rank in self.ranks],
+            "missing_ranks": [list(rank) for rank in self.missing],
+            "peak_rss_mib": self.peak_rss_mib,
+        }
+
+    @classmethod
+    def from_frame(cls, frame: Mapping[str, Any], written: Iterable[tuple[int, int]]) -> LoaderCheckReport:
+        """The report of a "checked" frame; every rank in `written` (this run wrote some of its files; the
+        worker checks exactly those) must be in it, loaded or skipped for memory."""
+        ranks = tuple(rank for rank in frame.get("ranks") or [] if isinstance(rank, dict))
+        seen = {(rank.get("pp_rank"), rank.get("tp_rank")) for rank in ranks}
+        missing = tuple(sorted(rank for rank in set(written) if rank not in seen))
+        ok = not missing and all(bool(rank.get("ok")) or bool(rank.get("skipped")) for rank in ranks)
+        peak = frame.get("peak_rss_mib")
+        return cls(
+            ok, str(frame.get("loader", "")), ranks, float(peak) if isinstance(peak, (int, float)) else None, missing
+        )
+
+
+@dataclass(frozen=True)
+class _DigestCheck:
+    dest: Location
+    policy: RetryPolicy
+    chunk: int
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def check(self, label: str, where: WrittenTensor | None, expected: str) -> tuple[str | None, int]:
+        if where is None:
+            return f"{label}: missing from the written files", 0
+        digest = hashlib.sha256()
+        key = self.dest.key(where.file)
+        for start in range(0, where.nbytes, self.chunk):
+            if self.cancelled.is_set():
+                raise Cancelled()
+            length = min(self.chunk, where.nbytes - start)
+            digest.update(
+                with_retries(partial(self.dest.store.read_range, key, where.offset + start, length), self.policy)
+            )
+        if digest.hexdigest() != expected:
+            return f"{label}: the bytes in {where.file} differ from vLLM's rank model (sha256)", where.nbytes
+        return None, where.nbytes
+
+
+def check_tensor_digests(
+    dest: Location,
+    plan: ShardPlan,
+    digests: TensorDigests,
+    policy: RetryPolicy,
+    progress: Progress = NULL_PROGRESS,
+    *,
+    reused_files: int = 0,
+    chunk: int = READ_BLOCK,
+) -> TensorDigestReport:
+    """Re-read every tensor the worker sent from DEST's files (located by their own headers) and compare
+    its sha256 with the worker's; tensors side by side on a few threads."""
+    problems: list[str] = []
+    written = read_written_headers(dest, plan.pattern, problems)
+    checker = _DigestCheck(dest, policy, chunk)
+    work: Sequence[tuple[str, WrittenTensor | None, str]] = [
+        (f"{name} (PP stage {pp_rank}, TP rank {tp_rank})", written.get((pp_rank, tp_rank), {}).get(name), sha256)
+        for (pp_rank, tp_rank, name), sha256 in sorted(digests.items())
+    ]
+    task = progress.task("Checking tensors against vLLM's rank models", len(work))
+    compared = 0
+    with ThreadPoolExecutor(RECONSTRUCTION_THREADS, thread_name_prefix="shard-digest") as pool:
+        try:
+            for problem, nbytes in pool.map(lambda item: checker.check(*item), work):
+                progress.advance(task, 1)
+                compared += nbytes
+                if problem is not None:
+                    problems.append(problem)
+        except BaseException:
+            checker.cancelled.set()
+            raise
+        finally:
+            progress.done(task)
+    shown = tuple(problems[:MAX_PROBLEMS_SHOWN])
+    if len(problems) > MAX_PROBLEMS_SHOWN:
+        shown += (f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more",)
+    return TensorDigestReport(not problems, len(work), compared, shown, reused_files)

@@ -1,0 +1,484 @@
+"""`--engine vllm-cpu`: vLLM's own model classes lay the files out. A worker in a CPU-only vLLM environment
+(shard/vllm_worker.py starts it; shard/vllm_cpu_worker.py is the worker) builds every (pp_rank, tp_rank) one
+decoder layer at a time and streams each tensor's bytes; streamctl plans the files from the worker's plan
+reply (parts by `split_into_parts`, file layout by `stage_files`: the offline writer's rules), writes them
+through the usual part streams (nothing under a final name until all are complete), checks and records them
+as the offline writer does (`shard_with_vllm_cpu`)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes, skipped_because
+from streamctl.checkpoint.index import INDEX_NAME
+from streamctl.checkpoint.safetensors import DTYPE_BITS
+from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
+from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
+from streamctl.errors import EngineFailed, NotFoundError, UsageError
+from streamctl.interrupts import Shielded, shielded_calls
+from streamctl.lease import Lease, hold_lease
+from streamctl.locations import check_disjoint
+from streamctl.ownership import remove_files
+from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.retry import RetryPolicy, with_retries
+from streamctl.shard.checks import check_verify
+from streamctl.shard.dest import plan_dest
+from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
+from streamctl.shard.plan import (
+    ModelDims,
+    PlannedFile,
+    PlannedTensor,
+    ShardOptions,
+    ShardPlan,
+    SourceTensor,
+    StagePlan,
+    skipped_files,
+    split_into_parts,
+    stage_files,
+)
+from streamctl.shard.planning import (
+    list_source,
+    read_json_object,
+    read_source_tensors,
+    serving_files_to_copy,
+    weight_files,
+)
+from streamctl.shard.result import ShardResult, WrittenFile
+from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_tensor_digests
+from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
+from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
+from streamctl.storage.base import ListingNote, Location
+from streamctl.uploads import discard_unfinished_uploads
+
+
+@dataclass(frozen=True)
+class _Source:
+    """What the run read of SOURCE before the worker sees it."""
+
+    notes: tuple[ListingNote, ...]
+    config: dict[str, Any]
+    serving: tuple[tuple[str, int], ...]
+    tensors: Mapping[str, SourceTensor]
+    source_files: tuple[tuple[str, int, str | None], ...]
+    index: tuple[str, int] | None  # model.safetensors.index.json, copied for vLLM beside the serving files
+
+
+def _read_source(source: Location, progress: Progress) -> _Source:
+    notes = listing_notes(source)
+    log_notes(notes, progress)
+    listing = list_source(source)
+    if CONFIG_NAME not in listing.sizes:
+        weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
+        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
+    config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
+    tensors = read_source_tensors(source, listing, weight_files(source, listing))
+    files = sorted({tensor.file for tensor in tensors.values()})
+    return _Source(
+        notes,
+        config,
+        serving_files_to_copy(source, listing, config),
+        tensors,
+        tuple((name, listing.sizes[name], listing.etags.get(name)) for name in files),
+        (INDEX_NAME, listing.sizes[INDEX_NAME]) if INDEX_NAME in listing.sizes else None,
+    )
+
+
+def local_path(location: Location) -> str | None:
+    """The folder of a local location, None for a bucket or the Hub."""
+    return location.store.url(location.prefix) if location.store.scheme == "file" else None
+
+
+def _model_dir(source: Location, read: _Source, folder: str, policy: RetryPolicy) -> str:
+    """The folder vLLM's ModelConfig reads config.json (and the tokenizer's, processor's...) from: SOURCE
+    itself when local, else a copy of its small serving files in `folder` (vLLM never reaches the source)."""
+    path = local_path(source)
+    if path is not None:
+        return path
+    from streamctl.storage import open_location
+
+    files = [*read.serving, *([read.index] if read.index else [])]
+    copy_serving_files(source, open_location(folder), files, policy)
+    return folder
+
+
+def _range_reader(source: Location, policy: RetryPolicy) -> ReadSource:
+    def read(file: str, offset: int, length: int) -> bytes:
+        return with_retries(partial(source.store.read_range, source.key(file), offset, length), policy)
+
+    return read
+
+
+def shard_with_vllm_cpu(
+    source: Location,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress = NULL_PROGRESS,
+    source_id: str | None = None,
+    worker: VllmWorker | None = None,
+) -> ShardResult:
+    """Plan with the worker, take the lease, write, check, record. `worker`: one already started (a caller
+    sharding many models shares one vLLM import); else one is started (and its environment found or made)
+    and stopped at the end. Raises UsageError (exit 2, vLLM's own words) before anything is written when
+    vLLM refuses the checkpoint, EngineFailed when the worker dies or breaks the protocol."""
+    options.validate()
+    started = time.monotonic()
+    tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+    pattern = options.pattern or default_pattern(pp)
+    validate_pattern(pattern, tp, pp)
+    check_disjoint(source, dest)
+    read = _read_source(source, progress)
+    own = worker is None
+    if worker is None:
+        from streamctl.shard.vllm_env import resolve_vllm_python
+
+        python = resolve_vllm_python(options.vllm_python, options.vllm_version, progress)
+        worker = start_worker(python.path, progress, forward_logs=options.engine_logs)
+    worker.progress, worker.forward_logs = progress, options.engine_logs
+    try:
+        with tempfile.TemporaryDirectory(prefix="streamctl-vllm-cpu-") as folder:
+            read_source = _range_reader(source, options.retry)
+            reply = _ask_plan(worker, source, read, folder, options, read_source)
+            plan = plan_from_reply(reply, read, options, pattern, source_id or source.url, dest.url)
+            _log_plan(reply, options, progress)
+            with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
+                plan = plan_dest(dest, plan, options.force)  # planning ran before the lease
+                run = _Run(source, dest, options, progress, worker, read_source, started, lease, read.notes)
+                return run.shard(plan)
+    except BaseException:
+        if worker.busy:  # frames of the interrupted request are still in the pipe
+            worker.kill("a request was interrupted")
+        raise
+    finally:
+        if own:
+            worker.close()
+
+
+def _ask_plan(
+    worker: VllmWorker, source: Location, read: _Source, folder: str, options: ShardOptions, read_source: ReadSource
+) -> dict[str, Any]:
+    tensors = {
+        name: {"file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset, "nbytes": t.nbytes}
+        for name, t in read.tensors.items()
+    }
+    request = plan_request(
+        _model_dir(source, read, folder, options.retry),
+        tensors,
+        local_path(source),
+        options.tensor_parallel_size,
+        options.pipeline_parallel_size,
+        options.enable_expert_parallel,
+        options.dtype,
+        options.layer_partition,
+    )
+    worker.request(request)
+    reply = worker.receive(read_source)
+    if reply.get("type") != "plan":
+        raise worker.failure(f"the vLLM worker answered a plan request with a {reply.get('type')!r} frame")
+    return reply
+
+
+def _log_plan(reply: Mapping[str, Any], options: ShardOptions, progress: Progress) -> None:
+    shims = reply.get("shims") or []
+    used = f"; build-only stand-ins: {', '.join(map(str, shims))}" if shims else ""
+    ep = ", expert parallel" if options.enable_expert_parallel else ""
+    progress.log(
+        f"vLLM {reply.get('vllm_version')} lays out {reply.get('architecture')} "
+        f"(served as {reply.get('served_dtype')}{ep}){used}"
+    )
+
+
+def _reply_field(reply: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
+    value = reply.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise EngineFailed(f"the vLLM worker's plan has a bad {key!r}: {value!r}")
+    return value
+
+
+def _planned_tensor(entry: Any) -> PlannedTensor:
+    if not isinstance(entry, dict):
+        raise EngineFailed(f"the vLLM worker's plan has a bad tensor entry: {entry!r}")
+    name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+    if (
+        not isinstance(name, str)
+        or dtype not in DTYPE_BITS
+        or not isinstance(shape, list)
+        or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
+    ):
+        raise EngineFailed(f"the vLLM worker's plan has a bad tensor entry: {entry!r}")
+    return PlannedTensor(name, Split.RANK_MODEL, (), str(dtype), tuple(shape))
+
+
+def _stage(entry: Any, pp_rank: int, max_part_size: int) -> StagePlan:
+    if not isinstance(entry, dict) or entry.get("pp_rank") != pp_rank:
+        raise EngineFailed(f"the vLLM worker's plan lacks pipeline stage {pp_rank}")
+    layers = entry.get("layers")
+    if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(layer, int) for layer in layers)):
+        raise EngineFailed(f"the vLLM worker's plan has bad layers for stage {pp_rank}: {layers!r}")
+    tensors = [_planned_tensor(item) for item in _reply_field(entry, "tensors", list)]
+    names = [tensor.name for tensor in tensors]
+    if len(set(names)) != len(names):
+        raise EngineFailed(f"the vLLM worker's plan names a tensor twice in stage {pp_rank}")
+    if not tensors:
+        raise UsageError(
+            f"pipeline stage {pp_rank} holds no tensors, so vLLM would find no files for it",
+            hint="use fewer stages or set VLLM_PP_LAYER_PARTITION",
+        )
+    return StagePlan(pp_rank, range(layers[0], layers[1]), split_into_parts(tensors, max_part_size))
+
+
+def plan_from_reply(
+    reply: Mapping[str, Any], read: _Source, options: ShardOptions, pattern: str, source: str, dest: str
+) -> ShardPlan:
+    """A normal ShardPlan from the worker's plan frame: its tensors in state-dict order cut into parts at
+    --max-part-size, each file's tensors in safetensors order (`stage_files`), as the offline writer plans."""
+    version = str(_reply_field(reply, "vllm_version", str))
+    stages = _reply_field(reply, "stages", list)
+    if len(stages) != options.pipeline_parallel_size:
+        raise EngineFailed(
+            f"the vLLM worker planned {len(stages)} pipeline stages, not {options.pipeline_parallel_size}"
+        )
+    architecture = str(_reply_field(reply, "architecture", str))
+    num_layers = int(_reply_field(reply, "num_layers", int))
+    settings = {
+        "served_dtype": str(_reply_field(reply, "served_dtype", str)),
+        "enable_expert_parallel": options.enable_expert_parallel,
+        "quantization": reply.get("quantization"),
+        "shims": [str(shim) for shim in reply.get("shims") or []],
+        "torch_version": reply.get("torch_version"),
+    }
+    return ShardPlan.for_run(
+        source,
+        dest,
+        options,
+        pattern,
+        version,
+        row=LAYOUT_ROWS[0],  # unused: vLLM's model code decided the layout
+        dims=ModelDims(architecture, 0, 0, 0, 0, 0, 0, num_layers, False),
+        stages=tuple(_stage(entry, index, options.max_part_size) for index, entry in enumerate(stages)),
+        serving_files=read.serving,
+        stale=(),
+        tied_lm_head=None,
+        source_files=read.source_files,
+        engine="vllm-cpu",
+        layout_label=f"vLLM {version} model code",
+        engine_settings=settings,
+    )
+
+
+@dataclass(frozen=True)
+class RoutedWrite:
+    files: tuple[WrittenFile, ...]
+    bytes_written: int
+    digests: TensorDigests
+    report: Mapping[str, Any]  # the worker's "written" frame
+
+
+def _write_request(plan: ShardPlan, skip: frozenset[str]) -> dict[str, Any]:
+    stages = []
+    for stage in plan.stages:
+        files = stage_files(plan, stage)
+        parts = [
+            [tensor.name for tensor in files[index * plan.tensor_parallel_size].tensors]
+            for index in range(len(stage.parts))
+            if files[index * plan.tensor_parallel_size].name not in skip
+        ]
+        stages.append({"pp_rank": stage.pp_rank, "parts": parts})
+    return {"op": "write", "stages": stages}
+
+
+@dataclass
+class _Router:
+    """Routes the worker's tensor frames into the part streams of their (pp_rank, tp_rank), checking each
+    against the plan: name, dtype, shape, size and order."""
+
+    plan: ShardPlan
+    worker: VllmWorker
+    dest: Location
+    options: ShardOptions
+    progress: Progress
+    task: int
+    read_source: ReadSource
+    shielded: Shielded
+    streams: list[PartStream]
+    digests: dict[tuple[int, int, str], str]
+    bytes_written: int = 0
+
+    def write_part(self, part_files: Sequence[PlannedFile]) -> list[WrittenFile]:
+        chunk, policy = self.options.upload_chunk, self.options.retry
+        opened = {}
+        for file in part_files:
+            start = partial(start_stream, self.streams, self.dest, file.name, file.size, chunk, policy)
+            opened[file.tp_rank] = self.shielded(start)
+            self._write(opened[file.tp_rank], file.header)
+        pending = {file.tp_rank: deque(file.tensors) for file in part_files}
+        for _ in range(sum(len(file.tensors) for file in part_files)):
+            header = self.worker.receive(self.read_source)
+            tp_rank, nbytes = self._check(header, part_files[0].pp_rank, pending)
+            for data in self.worker.payload(nbytes):
+                self._write(opened[tp_rank], data)
+            self.digests[(part_files[0].pp_rank, tp_rank, str(header["name"]))] = str(header["sha256"])
+        return [
+            WrittenFile(
+                file.name, file.pp_rank, file.tp_rank, file.part, file.size, opened[file.tp_rank].finish(),
+                tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors),
+            )
+            for file in part_files
+        ]  # fmt: skip
+
+    def _write(self, stream: PartStream, data: bytes) -> None:
+        stream.write(data)
+        self.bytes_written += len(data)
+        self.progress.advance(self.task, len(data))
+
+    def _check(
+        self, header: Mapping[str, Any], pp_rank: int, pending: Mapping[int, deque[PlannedTensor]]
+    ) -> tuple[int, int]:
+        """The frame's TP rank and size, once it is the next tensor that rank's file expects."""
+        if header.get("type") != "tensor":
+            raise self.worker.failure(f"the vLLM worker sent a {header.get('type')!r} frame where a tensor was due")
+        tp_rank = header.get("tp_rank")
+        if header.get("pp_rank") != pp_rank or tp_rank not in pending:
+            raise self.worker.failure(
+                f"the vLLM worker sent {header.get('name')!r} for PP stage {header.get('pp_rank')}, TP rank "
+                f"{tp_rank}, which is not a file being written (PP stage {pp_rank})"
+            )
+        assert isinstance(tp_rank, int)
+        if not pending[tp_rank]:
+            raise self.worker.failure(f"the vLLM worker sent more tensors than planned for TP rank {tp_rank}")
+        planned = pending[tp_rank].popleft()
+        got = (header.get("name"), header.get("dtype"), header.get("shape"), header.get("nbytes"))
+        expected = (planned.name, planned.dtype, list(planned.shape), planned.nbytes)
+        if got != expected or not isinstance(header.get("sha256"), str):
+            raise self.worker.failure(
+                f"the vLLM worker's tensor (name, dtype, shape, nbytes) {got} differs from the plan's {expected} "
+                f"(PP stage {pp_rank}, TP rank {tp_rank})"
+            )
+        return tp_rank, planned.nbytes
+
+
+def _reused(plan: ShardPlan, part_files: Sequence[PlannedFile]) -> list[WrittenFile]:
+    return [
+        WrittenFile(
+            file.name, file.pp_rank, file.tp_rank, file.part, file.size, plan.reused[file.name],
+            tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors),
+        )
+        for file in part_files
+    ]  # fmt: skip
+
+
+def write_routed(
+    plan: ShardPlan,
+    worker: VllmWorker,
+    dest: Location,
+    options: ShardOptions,
+    progress: Progress,
+    read_source: ReadSource,
+) -> RoutedWrite:
+    """Ask the worker for every part not reused, write each tensor frame into its file, complete every
+    upload at the end; any failure (a frame off the plan, the worker gone, Ctrl-C) aborts them all."""
+    task = progress.task("Writing sharded state", plan.total_bytes)
+    streams: list[PartStream] = []
+    skip = skipped_files(plan)
+    written: list[WrittenFile] = []
+    try:
+        with shielded_calls() as shielded:  # see writer.write_sharded
+            router = _Router(plan, worker, dest, options, progress, task, read_source, shielded, streams, {})
+            worker.request(_write_request(plan, skip))
+            for stage in plan.stages:
+                files = stage_files(plan, stage)
+                for part in range(len(stage.parts)):
+                    part_files = [file for file in files if file.part == part]
+                    if part_files[0].name in skip:
+                        written.extend(_reused(plan, part_files))
+                        progress.advance(task, sum(file.size for file in part_files))
+                        progress.log(
+                            f"part {part} of PP stage {stage.pp_rank}: unchanged since the previous run, skipped"
+                        )
+                        continue
+                    written.extend(router.write_part(part_files))
+            report = worker.receive(read_source)
+            if report.get("type") != "written":
+                raise worker.failure(f"the vLLM worker sent a {report.get('type')!r} frame after the last tensor")
+        commit_all(streams, dest, options.retry, progress)
+    except BaseException:
+        abort_all(streams, progress)
+        raise
+    finally:
+        progress.done(task)
+    return RoutedWrite(tuple(written), router.bytes_written, router.digests, report)
+
+
+UNKNOWN_MEMORY_RANK_BYTES = 8 * 1024**3  # the loader check's limit per rank where MemAvailable is unknown
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class _Run:
+    source: Location
+    dest: Location
+    options: ShardOptions
+    progress: Progress
+    worker: VllmWorker
+    read_source: ReadSource
+    started: float
+    lease: Lease
+    notes: tuple[ListingNote, ...]
+
+    def shard(self, plan: ShardPlan) -> ShardResult:
+        dest, options, progress = self.lease.fenced(self.dest), self.options, self.progress
+        ours: Callable[[str], bool] = partial(is_shard_output, plan.pattern, plan.serving_files)
+        discarded = discard_unfinished_uploads(dest, ours, progress, self.lease.acquired_at)
+        planned = [file.name for file in plan.files()] + [path for path, _ in plan.serving_files]
+        copied, created = begin_run(self.source, dest, plan, "vllm-cpu", planned, options, progress)
+        write = partial(write_routed, plan, self.worker, dest, options, progress, self.read_source)
+        routed = undo_on_failure(dest, created, progress, write)
+        write_seconds = time.monotonic() - self.started
+        removed = remove_files(dest, plan.stale, progress)
+        verify = check_verify(dest, plan, progress)
+        skipped = tuple(sorted(skipped_files(plan)))
+        digests = check_tensor_digests(
+            dest, plan, routed.digests, options.retry, progress, reused_files=len(skipped), chunk=options.read_block
+        )
+        report = {key: routed.report.get(key) for key in ("seconds", "peak_rss_mib", "kept_construction_value")}
+        result = ShardResult(
+            plan, "vllm-cpu", routed.files, copied, removed, routed.bytes_written, time.monotonic() - self.started,
+            write_seconds, verify, None, discarded, self.notes, skipped,
+            tensor_check=digests, loader_check=self._loader_check(plan, routed), engine_report=report,
+        )  # fmt: skip
+        return record_result(dest, replace(result, seconds=time.monotonic() - self.started), self.lease)
+
+    def _loader_check(self, plan: ShardPlan, routed: RoutedWrite) -> LoaderCheckReport | None:
+        """vLLM's own ShardedStateLoader on the written files, in the worker (local DEST only); ranks that
+        would take more than half the memory available now are skipped by the worker."""
+        folder = local_path(self.dest)
+        if folder is None:
+            return None
+        memory = available_memory()
+        request = {
+            "op": "check",
+            "dest_dir": folder,
+            "pattern": plan.pattern,
+            "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
+        }
+        self.worker.request(request)
+        frame = self.worker.receive(self.read_source)
+        if frame.get("type") != "checked":
+            raise self.worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")
+        return LoaderCheckReport.from_frame(frame, {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in routed.digests})

@@ -1,0 +1,150 @@
+"""Build-only stand-ins for what a CPU-only vLLM environment lacks but vLLM's model code LOOKS UP while a model
+is constructed (never called: nothing here runs a kernel). Standard library only at import; torch is imported
+by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_oracle/check_sharded.py).
+
+- `torchvision`: vLLM's gemma3_mm.py imports transformers' Gemma3ImageProcessor, which imports
+  torchvision.transforms.v2 (vLLM's own imports of transformers' image/video utilities touch it too). When the
+  real package is absent, a stand-in package answers every import and attribute; instantiating or calling
+  anything of it raises ShimCalled.
+- `torch.ops._C.<op>`: vLLM's CUDA wheel on a CPU has no vllm._C, yet some activations look their op up in
+  __init__ on the CPU platform (vllm/model_executor/layers/activation.py, vLLM 0.33: QuickGELU -> gelu_quick
+  (Qwen2-VL's vision MLP), NewGELU -> gelu_new, FastGELU -> gelu_fast). Each missing one is defined with
+  torch.library; its implementation raises ShimCalled.
+- vLLM inspects a model class in a subprocess (model_executor/models/registry.py `_run_in_subprocess`, there
+  only to keep CUDA uninitialised) that would not see these stand-ins: `install()` runs it in this process.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+TORCHVISION = "torchvision"
+# The torch.ops._C ops vLLM 0.33's CPU __init__ paths look up (activation.py); only the missing ones are defined.
+C_OPS: dict[str, str] = {
+    "gelu_quick": "gelu_quick(Tensor(a!) out, Tensor input) -> ()",
+    "gelu_new": "gelu_new(Tensor(a!) out, Tensor input) -> ()",
+    "gelu_fast": "gelu_fast(Tensor(a!) out, Tensor input) -> ()",
+}
+
+
+class ShimCalled(RuntimeError):
+    """A build-only stand-in was called: the model needs the real package/op to RUN, not to be built."""
+
+
+def _refuse(what: str) -> Callable[..., Any]:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ShimCalled(f"{what} is a build-only stand-in (streamctl vllm_shims): it cannot compute")
+
+    return refuse
+
+
+class _StandInMeta(type):
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return cls
+
+
+class _StandIn(metaclass=_StandInMeta):
+    """Any torchvision class or function: usable in annotations, as a base class, as a default value."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _refuse(f"{TORCHVISION} (stand-in)")()
+
+    def __mro_entries__(self, bases: tuple[type, ...]) -> tuple[type, ...]:
+        return (object,)
+
+
+class _StandInModule(types.ModuleType):
+    __version__ = "0.0.0+streamctl.build-only"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.__path__: list[str] = []  # a package: every submodule import comes back here
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if name == TORCHVISION or name.startswith(TORCHVISION + "."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return _StandInModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        return None
+
+
+_INSTALLED: list[str] = []
+_LIBRARY: list[Any] = []  # the torch.library fragment must stay alive
+
+
+def _install_torchvision() -> bool:
+    if any(isinstance(finder, _StandInFinder) for finder in sys.meta_path):
+        return True
+    if importlib.util.find_spec(TORCHVISION) is not None:
+        return False
+    sys.meta_path.insert(0, _StandInFinder())
+    return True
+
+
+def _install_c_ops() -> list[str]:
+    import torch
+
+    missing = [name for name in C_OPS if not hasattr(torch.ops._C, name)]
+    if not missing:
+        return []
+    library = torch.library.Library("_C", "FRAGMENT")
+    for name in missing:
+        library.define(C_OPS[name])
+        library.impl(name, _refuse(f"torch.ops._C.{name}"), "CompositeExplicitAutograd")
+    _LIBRARY.append(library)
+    return [f"torch.ops._C.{name}" for name in missing]
+
+
+def _inspect_in_process() -> None:
+    from vllm.model_executor.models import registry
+
+    def run_here(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    registry._run_in_subprocess = run_here  # type: ignore[attr-defined,unused-ignore]
+
+
+def install() -> list[str]:
+    """Install every stand-in whose real thing is missing (once per process); the names of those installed."""
+    if not _INSTALLED:
+        if _install_torchvision():
+            _INSTALLED.append(TORCHVISION)
+        _INSTALLED.extend(_install_c_ops())
+        _inspect_in_process()
+        _INSTALLED.append("")  # marks "done" even when nothing was missing
+    return [name for name in _INSTALLED if name]
+
+
+def used_by(model: Any) -> list[str]:
+    """The installed stand-ins this built model looked up: the shim ops its modules hold, and the stand-in
+    torchvision whenever it is imported (vLLM's own imports of transformers' image and video utilities
+    already import it, whatever the model; Gemma 3 multimodal then needs it to build)."""
+    installed = set(install())
+    used = set()
+    for module in model.modules():
+        op = getattr(module, "op", None)
+        name = f"torch.ops._C.{getattr(op, '__name__', '')}"
+        if name in installed:
+            used.add(name)
+    if TORCHVISION in installed and isinstance(sys.modules.get(TORCHVISION), _StandInModule):
+        used.add(TORCHVISION)
+    return sorted(used)
