@@ -23,6 +23,7 @@ pytestmark = requires_vllm_oracle
 
 CLI_DIR = Path(__file__).resolve().parents[2] / "cli"
 PATTERN = "model-rank-{rank}-part-{part}.safetensors"
+PP_PATTERN = "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors"
 TERMINAL = ("plan", "written", "checked", "error")
 
 
@@ -165,41 +166,52 @@ def parts_of(stage: dict[str, Any]) -> list[list[str]]:
     return [sorted(names[i : i + third]) for i in range(0, len(names), third)]
 
 
-def plan_and_write(worker: WorkerClient, model: Path, out: Path, tp: int, local: bool) -> dict[str, Any]:
-    """One plan + write; the rank files written to OUT; the frames checked as they come."""
-    frames = worker.request(plan_request(model, tp, local), model)
-    plan = frames[-1]
-    assert plan["type"] == "plan", plan
-    parts = parts_of(plan["stages"][0])
-    frames = worker.request({"op": "write", "stages": [{"pp_rank": 0, "parts": parts}]}, model)
-    assert frames[-1]["type"] == "written", frames[-1]
-    tensors = [frame for frame in frames if frame["type"] == "tensor"]
-    planned = {t["name"]: t for t in plan["stages"][0]["tensors"]}
+def write_rank_files(out: Path, model: Path, plan: dict[str, Any], stages: list[dict[str, Any]], tensors: list) -> None:
+    """The parent's part: each rank's tensor frames checked and laid into its part files, in request order."""
     out.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json"):
         if (model / name).exists():
             shutil.copy(model / name, out / name)
-    for tp_rank in range(tp):
-        mine = [frame for frame in tensors if frame["tp_rank"] == tp_rank]
-        assert [frame["name"] for frame in mine] == [name for part in parts for name in part]  # request order
-        for frame in mine:
-            assert hashlib.sha256(frame["data"]).hexdigest() == frame["sha256"]
-            assert (frame["dtype"], frame["shape"]) == (
-                planned[frame["name"]]["dtype"],
-                planned[frame["name"]]["shape"],
-            )
-        at = 0
-        for part_index, part in enumerate(parts):
-            write_safetensors(out / PATTERN.format(rank=tp_rank, part=part_index), mine[at : at + len(part)])
-            at += len(part)
-    return {"plan": plan, "tensors": tensors, "written": frames[-1], "out": out}
+    tp = max(frame["tp_rank"] for frame in tensors) + 1
+    for stage in stages:
+        pp_rank, parts = stage["pp_rank"], stage["parts"]
+        planned = {t["name"]: t for t in plan["stages"][pp_rank]["tensors"]}
+        for tp_rank in range(tp):
+            mine = [frame for frame in tensors if (frame["pp_rank"], frame["tp_rank"]) == (pp_rank, tp_rank)]
+            assert [frame["name"] for frame in mine] == [name for part in parts for name in part]  # request order
+            for frame in mine:
+                assert hashlib.sha256(frame["data"]).hexdigest() == frame["sha256"]
+                want = planned[frame["name"]]
+                assert (frame["dtype"], frame["shape"]) == (want["dtype"], want["shape"])
+            at = 0
+            for part_index, part in enumerate(parts):
+                name = (PATTERN if len(plan["stages"]) == 1 else PP_PATTERN).format(
+                    rank=tp_rank, tp_rank=tp_rank, pp_rank=pp_rank, part=part_index
+                )
+                write_safetensors(out / name, mine[at : at + len(part)])
+                at += len(part)
+
+
+def plan_and_write(worker: WorkerClient, model: Path, out: Path, tp: int, local: bool, pp: int = 1) -> dict[str, Any]:
+    """One plan + write; the rank files written to OUT; the frames checked as they come."""
+    frames = worker.request({**plan_request(model, tp, local), "pp": pp}, model)
+    plan = frames[-1]
+    assert plan["type"] == "plan", plan
+    stages = [{"pp_rank": stage["pp_rank"], "parts": parts_of(stage)} for stage in plan["stages"]]
+    frames = worker.request({"op": "write", "stages": stages}, model)
+    assert frames[-1]["type"] == "written", frames[-1]
+    tensors = [frame for frame in frames if frame["type"] == "tensor"]
+    write_rank_files(out, model, plan, stages, tensors)
+    return {"plan": plan, "tensors": tensors, "written": frames[-1], "out": out, "pp": pp}
 
 
 @pytest.fixture(scope="module")
 def written(worker: WorkerClient, models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("out")
     kinds = ("llama", "mixtral", "deepseek-v2", "gemma3-mm", "qwen2-vl")
-    return {kind: plan_and_write(worker, models[kind], out / kind, 2, True) for kind in kinds}
+    cases = {kind: plan_and_write(worker, models[kind], out / kind, 2, True) for kind in kinds}
+    cases["deepseek-v2-pp2"] = plan_and_write(worker, models["deepseek-v2"], out / "deepseek-v2-pp2", 2, True, pp=2)
+    return cases
 
 
 def test_plan_reply_describes_the_model(written: dict[str, Any]) -> None:
@@ -217,11 +229,22 @@ def test_plan_reply_describes_the_model(written: dict[str, Any]) -> None:
         t["layer"] == int(t["name"].split(".")[2]) for t in plan["stages"][0]["tensors"] if ".layers." in t["name"]
     )
     assert written["llama"]["written"]["peak_rss_mib"] > 0
+    first, second = written["deepseek-v2-pp2"]["plan"]["stages"]
+    assert first["layers"][0] == 0 and first["layers"][1] == second["layers"][0] and second["layers"][1] == 3
+    for stage in (first, second):
+        assert all(stage["layers"][0] <= t["layer"] < stage["layers"][1] for t in stage["tensors"])
 
 
 def test_written_ranks_load_in_vllm(written: dict[str, Any], models: dict[str, Path]) -> None:
     jobs = [
-        {"hf_dir": models[kind], "sharded_dir": written[kind]["out"], "tp": 2, "pattern": PATTERN} for kind in written
+        {
+            "hf_dir": models[case.removesuffix("-pp2")],
+            "sharded_dir": result["out"],
+            "tp": 2,
+            "pp": result["pp"],
+            "pattern": PATTERN if result["pp"] == 1 else PP_PATTERN,
+        }
+        for case, result in written.items()
     ]
     for kind, verdict in zip(written, check_sharded_many(jobs), strict=True):
         assert verdict["ok"], (kind, verdict)
