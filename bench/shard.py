@@ -36,7 +36,10 @@ verify-index and the bit-for-bit reconstruction for the table engine; verify-ind
 re-read from DEST and vLLM's own ShardedStateLoader for vllm-cpu; each reads everything back), seconds until
 the weights were complete (the `write_seconds` of --json), throughput of each against cp, and peak RSS:
 the child's own (os.wait4, which folds in the worker it waited for) and, sampled from /proc every 0.1 s,
-each process's own (the parent, the vLLM worker).
+each process's own (the parent, the vLLM worker); CPU seconds (user + system, the worker's included), which a
+machine busy with other work inflates far less than wall time. For vllm-cpu also where the time went, from
+the run's own --json: worker start + plan (vLLM's import, init, the meta-device plan), the write request,
+and the checks after writing.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -254,17 +258,22 @@ def settle(source: Path, drop: bool) -> None:
                 pass
 
 
-def time_cp(source: Path, dest: Path, drop: bool) -> float:
-    """cp of the weight files, then sync of the copies (streamctl fsyncs what it writes)."""
+def children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def time_cp(source: Path, dest: Path, drop: bool) -> tuple[float, float]:
+    """cp of the weight files, then sync of the copies (streamctl fsyncs what it writes): (seconds, CPU s)."""
     files = sorted(source.glob("*.safetensors"))
     dest.mkdir()
     settle(source, drop)
-    started = time.monotonic()
+    cpu, started = children_cpu_seconds(), time.monotonic()
     subprocess.run(["cp", *map(str, files), str(dest)], check=True)
     subprocess.run(["sync", *(str(dest / file.name) for file in files)], check=True)
-    seconds = time.monotonic() - started
+    seconds, cpu = time.monotonic() - started, children_cpu_seconds() - cpu
     shutil.rmtree(dest)
-    return seconds
+    return seconds, cpu
 
 
 def median(values: list[float]) -> float:
@@ -276,11 +285,13 @@ class ShardRun:
     seconds: float
     write_seconds: float
     peak_rss: int  # wait4 of the streamctl process: its own peak or its worker's, whichever is larger
+    cpu_s: float  # user + system CPU seconds of streamctl and its worker
     bytes_written: int
     parent_rss: int | None  # sampled: the streamctl process itself
     worker_rss: int | None  # sampled: the vLLM worker process (vllm-cpu only), its whole life
     worker_write_rss: int | None  # the worker's own VmHWM when it had written every tensor (engine_report)
     worker_python: str | None  # the worker's interpreter, as it ran
+    worker_write_seconds: float | None  # the worker's own time on the write request (engine_report)
     checks: tuple[str, ...]  # the checks after writing that ran (all passed)
 
 
@@ -306,16 +317,19 @@ def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str]) -> ShardRu
     shutil.rmtree(out)
     parent = [peak.peak_rss for peak in run.descendants if peak.argv[1:3] == ("-m", "streamctl")]
     workers = [peak for peak in run.descendants if is_worker(peak.argv)]
-    write_mib = (document.get("engine_report") or {}).get("peak_rss_mib")
+    report = document.get("engine_report") or {}
+    write_mib, worker_seconds = report.get("peak_rss_mib"), report.get("seconds")
     return ShardRun(
         run.seconds,
         document["write_seconds"],
         run.peak_rss,
+        run.cpu_s,
         document["bytes_written"],
         max(parent, default=None),
         max((peak.peak_rss for peak in workers), default=None),
         int(write_mib * MiB) if isinstance(write_mib, (int, float)) else None,
         workers[0].argv[0] if workers else None,
+        float(worker_seconds) if isinstance(worker_seconds, (int, float)) else None,
         tuple(name for name, check in checks.items() if check.get("ok")),
     )
 
@@ -377,13 +391,16 @@ def run_case(case: Case, scratch: Path, args: argparse.Namespace, targets: Targe
     drop = not args.keep_page_cache
     cp_bytes = sum(file.stat().st_size for file in (scratch / "hf").glob("*.safetensors"))
     cp_runs: list[float] = []
+    cp_cpu: list[float] = []
     runs: dict[int, list[ShardRun]] = {tp: [] for tp in case.tps}
     # Rounds, not blocks: cp and every TP size run back to back in each round, and each streamctl run
     # is compared with its own round's cp. This machine's disk and memory drift by 3x within minutes
     # (cp + sync of the same 3.1 GB took 1.3 s and 4.0 s in one session); a ratio taken within a round
     # sees the same drift on both sides, a ratio of medians from separate blocks does not.
     for round_number in range(args.repeat):
-        cp_runs.append(time_cp(scratch / "hf", scratch / "cp", drop))
+        cp_seconds, cp_cpu_seconds = time_cp(scratch / "hf", scratch / "cp", drop)
+        cp_runs.append(cp_seconds)
+        cp_cpu.append(cp_cpu_seconds)
         for tp in case.tps:
             run = time_shard(scratch, tp, drop, case.engine)
             if run is None:
@@ -394,7 +411,7 @@ def run_case(case: Case, scratch: Path, args: argparse.Namespace, targets: Targe
             + ", ".join(f"TP {tp} {runs[tp][-1].seconds:.2f} s" for tp in case.tps),
             flush=True,
         )
-    verdicts = throughput_table(case, cp_bytes, cp_runs, runs, targets)
+    verdicts = throughput_table(case, cp_bytes, cp_runs, median(cp_cpu), runs, targets)
     if case.engine:
         verdicts += worker_memory(case, checkpoint, runs, scratch, targets)
     else:
@@ -413,12 +430,17 @@ def run_case(case: Case, scratch: Path, args: argparse.Namespace, targets: Targe
 
 
 def throughput_table(
-    case: Case, cp_bytes: int, cp_runs: list[float], runs: dict[int, list[ShardRun]], targets: Targets
+    case: Case, cp_bytes: int, cp_runs: list[float], cp_cpu: float, runs: dict[int, list[ShardRun]], targets: Targets
 ) -> list[str]:
+    """The table of medians (CPU s: user + system of the command and what it waited for, which a busy
+    machine inflates less than wall time) and the throughput verdicts."""
     cp_seconds = median(cp_runs)
     cp_rate = cp_bytes / cp_seconds
-    table = Table(["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "peak RSS"])
-    table.add("cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", "")
+    headers = ["run (median)", "bytes", "seconds", "MB/s", "x cp", "write s", "write x cp", "CPU s", "peak RSS"]
+    table = Table(headers)
+    table.add(
+        "cp + sync", human_bytes(cp_bytes), f"{cp_seconds:.2f}", f"{cp_rate / 1e6:.0f}", "1.00", "", "", f"{cp_cpu:.1f}", ""
+    )  # fmt: skip
     verdicts = []
     for tp, tp_runs in runs.items():
         written = tp_runs[0].bytes_written
@@ -434,6 +456,7 @@ def throughput_table(
             f"{median(ratios):.2f}",
             f"{median([run.write_seconds for run in tp_runs]):.2f}",
             f"{median(write_ratios):.2f}",
+            f"{median([run.cpu_s for run in tp_runs]):.1f}",
             human_bytes(max(run.peak_rss for run in tp_runs)),
         )
         verdicts.append(
@@ -446,6 +469,17 @@ def throughput_table(
             )
         )
     table.print()
+    for tp, tp_runs in runs.items():
+        phases = [run for run in tp_runs if run.worker_write_seconds is not None]
+        if phases:  # vllm-cpu: where the seconds went, from the run's own JSON
+            start = median([run.write_seconds - (run.worker_write_seconds or 0) for run in phases])
+            write = median([run.worker_write_seconds or 0 for run in phases])
+            checks = median([run.seconds - run.write_seconds for run in phases])
+            print(
+                f"TP {tp} phases (median s): worker start + plan {start:.1f}, write {write:.1f} "
+                f"(the worker's own write request: build, load_weights, sha256, pipe, the parent's writes), "
+                f"checks after writing {checks:.1f} (verify-index, tensors re-read, vLLM's loader)"
+            )
     return verdicts
 
 
