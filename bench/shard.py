@@ -73,10 +73,9 @@ from benchlib import (
     scratch_dir,
 )
 from streamctl.checkpoint.safetensors import encode_safetensors_header
-from streamctl.shard import vllm_protocol
+from streamctl.shard.vllm_worker import WORKER_MODULE, plan_request, start_worker
 
 BLOCK = 64 * MiB  # random bytes repeated through every tensor: cheap to generate, never all zeros
-WORKER_MODULE = "streamctl.shard.vllm_cpu_worker"
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 # Llama-3-8B's layer shapes with Llama-2's vocabulary: 6 layers make ~3 GiB, and the embedding (250 MiB)
@@ -334,38 +333,19 @@ def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str]) -> ShardRu
     )
 
 
-def worker_baseline(vllm_python: str, checkpoint: Checkpoint, tp: int, log: Path) -> int:
-    """Peak RSS of a worker that imported and initialised vLLM and answered a plan request for this checkpoint
-    (meta-device builds of every rank: no weight is allocated or read), i.e. what it holds before any layer."""
-    package_parent = str(Path(vllm_protocol.__file__).resolve().parents[2])
-    path = os.environ.get("PYTHONPATH")
-    env = {**os.environ, "PYTHONPATH": package_parent + (os.pathsep + path if path else ""), "HF_HUB_OFFLINE": "1"}
+def worker_baseline(vllm_python: str, checkpoint: Checkpoint, tp: int) -> int:
+    """Peak RSS of a worker (started as a shard run starts it) that imported and initialised vLLM and answered
+    the plan request for this checkpoint (meta-device builds of every rank: no weight is allocated or read):
+    what it holds before the first layer."""
     folder = str(checkpoint.folder)
-    request = {
-        "op": "plan", "protocol": vllm_protocol.PROTOCOL_VERSION, "model_dir": folder,
-        "tensors": checkpoint.tensors, "local_root": folder, "tp": tp, "pp": 1, "ep": False, "dtype": "auto",
-        "layer_partition": None,
-    }  # fmt: skip
-    with open(log, "wb") as stderr:
-        process = subprocess.Popen(
-            [vllm_python, "-P", "-m", WORKER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env
-        )  # fmt: skip
-        assert process.stdin is not None and process.stdout is not None
-        try:
-            vllm_protocol.write_frame(process.stdin, request)
-            while True:
-                frame = vllm_protocol.read_frame(process.stdout)
-                if frame is None or frame[0].get("type") in ("plan", "error"):
-                    break
-            if frame is None or frame[0]["type"] != "plan":
-                raise RuntimeError(f"the worker did not plan: {frame and frame[0]} (log: {log})")
-            peak = process_peak(process.pid)
-            assert peak is not None
-            return peak.peak_rss
-        finally:
-            process.stdin.close()
-            if process.wait(timeout=60) != 0:
-                print(f"the baseline worker exited {process.returncode} (log: {log})", file=sys.stderr)
+    request = plan_request(folder, checkpoint.tensors, folder, tp, 1, False, "auto", None)
+    with start_worker(vllm_python) as worker:
+        worker.request(request)
+        reply = worker.receive(None)
+        assert reply["type"] == "plan", reply
+        peak = process_peak(worker.process.pid)
+        assert peak is not None
+        return peak.peak_rss
 
 
 @dataclass(frozen=True)
@@ -413,7 +393,7 @@ def run_case(case: Case, scratch: Path, args: argparse.Namespace, targets: Targe
         )
     verdicts = throughput_table(case, cp_bytes, cp_runs, median(cp_cpu), runs, targets)
     if case.engine:
-        verdicts += worker_memory(case, checkpoint, runs, scratch, targets)
+        verdicts += worker_memory(case, checkpoint, runs, targets)
     else:
         rss_limit = 2 * checkpoint.largest_tensor + 256 * MiB
         for tp in case.tps:
@@ -483,9 +463,7 @@ def throughput_table(
     return verdicts
 
 
-def worker_memory(
-    case: Case, checkpoint: Checkpoint, runs: dict[int, list[ShardRun]], scratch: Path, targets: Targets
-) -> list[str]:
+def worker_memory(case: Case, checkpoint: Checkpoint, runs: dict[int, list[ShardRun]], targets: Targets) -> list[str]:
     """The worker's peak RSS while writing against the issue's formula (the target), and against the formula
     plus the worker's idle baseline; its peak over its whole life (vLLM's loader check included) beside them."""
     verdicts = []
@@ -497,7 +475,7 @@ def worker_memory(
             verdicts.append(targets.check(False, f"{case.name} worker RSS TP {tp}", "no worker peak was reported"))
             continue
         peak, formula = max(written), layer + layer // tp + GiB
-        baseline = worker_baseline(python, checkpoint, tp, scratch / f"baseline-tp{tp}.log")
+        baseline = worker_baseline(python, checkpoint, tp)
         lifetime = max((run.worker_rss or 0 for run in tp_runs), default=0)
         parent = max((run.parent_rss or 0 for run in tp_runs), default=0)
         verdicts.append(
