@@ -145,7 +145,7 @@ NEGATIVES = {
 }
 
 
-# `shard --engine vllm` needs GPUs to run vLLM's engine, so here vLLM's own save_model output (the
+# `shard --engine vllm-gpu` needs GPUs to run vLLM's engine, so here vLLM's own save_model output (the
 # references) stands in for what the engine saved, and the rest of the path runs for real: renumbering
 # around vLLM's empty parts, copying to DEST, the manifest and both checks; then vLLM loads the result.
 ENGINE_CASES: dict[str, tuple[str, int, int, str | None, int | None]] = {
@@ -161,7 +161,7 @@ ENGINE_CASES: dict[str, tuple[str, int, int, str | None, int | None]] = {
 def engine_outputs(
     workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
 ) -> dict[str, tuple[Path, Any, list[list[str]]]]:
-    """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm`."""
+    """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm-gpu`."""
     import streamctl.shard.vllm_engine as shard_module
     from streamctl.shard.plan import ShardOptions
     from streamctl.storage import open_location

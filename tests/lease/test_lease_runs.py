@@ -374,7 +374,7 @@ def test_a_plan_made_before_another_run_finished_is_checked_again_under_the_leas
 
 
 def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--engine vllm (vLLM's save stood in for: no GPU here): refused while another run holds DEST, holds the
+    """--engine vllm-gpu (vLLM's save stood in for: no GPU here): refused while another run holds DEST, holds the
     lease while vLLM saves, and releases it when the save fails."""
     import subprocess as subprocess_module
 

@@ -86,7 +86,9 @@ def test_unsupported_inputs_exit_2_naming_the_vllm_engine(tmp_path: Path) -> Non
     (meta / "original" / "params.json").write_text("{}")
     for folder, message in ((mistral, "Mistral-format"), (meta, "original/")):
         result = cli_shard(folder, tmp_path / "unused", "-tp", "2")
-        assert result.exit_code == 2 and message in result.stderr and "--engine vllm-cpu" in result.stderr, result.stderr
+        assert result.exit_code == 2 and message in result.stderr and "--engine vllm-cpu" in result.stderr, (
+            result.stderr
+        )
 
 
 def test_bad_options_exit_2(tmp_path: Path) -> None:
@@ -101,7 +103,7 @@ def test_bad_options_exit_2(tmp_path: Path) -> None:
         (["-tp", "2", "--vllm-version", "0.9.0"], "no sharded-state layout"),
         (["-tp", "1", "-pp", "5"], "stage 1 of 5 gets no layers"),  # 2 layers: [0, 0, 1, 1, 0]
         (["-tp", "2", "--max-part-size", "lots"], "invalid --max-part-size"),
-    ]  # --engine vllm without vllm installed is exit 127: tests/test_setup_options.py
+    ]  # --engine vllm-gpu without vllm installed is exit 127: tests/test_setup_options.py
     for args, message in cases:
         result = cli_shard(tmp_path / "hf", tmp_path / "out", *args)
         assert result.exit_code == 2 and message in result.stderr, (args, result.stderr)

@@ -1,4 +1,4 @@
-"""`streamctl shard` judged by vLLM 0.33 itself (the oracle venv; skipped without it), and the `--engine vllm`
+"""`streamctl shard` judged by vLLM 0.33 itself (the oracle venv; skipped without it), and the `--engine vllm-gpu`
 path: its save script in a real vLLM environment, and the rest of the path with a stand-in for the save."""
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def test_files_are_byte_identical_to_vllms_own_save(tmp_path: Path) -> None:
 
 @requires_vllm_oracle
 def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_path: Path) -> None:
-    """The script --engine vllm runs, in a real vLLM 0.33 environment (CPU only here): it parses its
+    """The script --engine vllm-gpu runs, in a real vLLM 0.33 environment (CPU only here): it parses its
     arguments, imports torch, and stops with exit 3 naming the GPUs it needs before building an engine."""
     import os
 
@@ -189,7 +189,7 @@ def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_
 def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--engine vllm cannot run here (no GPU): a stand-in for vLLM's save script writes the files, and the
+    """--engine vllm-gpu cannot run here (no GPU): a stand-in for vLLM's save script writes the files, and the
     rest of the path (copy to DEST, manifest, both checks) runs for real."""
     import subprocess as subprocess_module
 

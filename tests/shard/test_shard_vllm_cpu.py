@@ -99,7 +99,7 @@ def test_sources_cli_and_parts_are_loaded_by_vllm(
         bucket.store.put(bucket.key(path.name), path.read_bytes(), {})
     fake_hub.add_repo("org/mixtral", folder=mixtral)
     runs = {
-        "s3-source": (bucket, {}),
+        "s3-source": (bucket, {"read_block": 4096}),  # the worker's reads answered in many ranged reads
         "hub-source": (open_location(resolve_source_url("org/mixtral")), {}),
         "parts": (open_location(str(mixtral)), {"max_part_size": 64 * 1024}),
     }
@@ -291,6 +291,26 @@ def test_an_interrupted_or_killed_run_leaves_nothing_under_a_final_name(
         assert manifest["complete"] is False
 
 
+@requires_vllm_oracle
+def test_a_dest_that_fails_mid_write_aborts_every_file(tmp_path: Path, tiny: dict[str, Path]) -> None:
+    """A rank file's write fails half-way (a file size limit: EFBIG on the writer thread): the error
+    names the file, every upload is aborted and what the run began is removed, DEST is left empty."""
+    import resource
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))  # the rank files are ~346 KiB
+
+    dest = tmp_path / "out"
+    command = [sys.executable, "-m", "streamctl", "shard", str(tiny["mixtral"]), str(dest), "-tp", "2", "--json"]
+    completed = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, preexec_fn=limit_file_size, check=False
+    )
+    assert completed.returncode == 6, completed.stderr
+    error = json.loads(completed.stdout)["error"]
+    assert "model-rank-" in error["message"] and "File too large" in error["message"], error
+    assert not dest.exists() or sorted(dest.rglob("*")) == []
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine options (no vLLM needed)
 
@@ -394,14 +414,17 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
 ) -> None:
     """A stand-in worker that dies in the middle of a tensor, announces the wrong size, or sends a tensor
     off the plan: EngineFailed naming it, the worker killed, every upload aborted, DEST as it was; one that
-    refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started."""
+    refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started. With --debug
+    (engine_logs) the worker's stderr lines reach the progress log."""
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
     dest = tmp_path / "out"
     hostile = hostile_worker(tmp_path, mode, monkeypatch)
+    progress = RecordingProgress()
     try:
         expected = UsageError if mode == "refuse" else EngineFailed
         with pytest.raises(expected) as raised:
-            shard_checkpoint(open_location(str(tmp_path / "hf")), open_location(str(dest)), vllm_cpu(1), worker=hostile)
+            source, options = open_location(str(tmp_path / "hf")), vllm_cpu(1, engine_logs=True)
+            shard_checkpoint(source, open_location(str(dest)), options, progress, worker=hostile)
         if mode == "refuse":
             assert raised.value.code == "unsupported-quantization" and "no FP8 block kernel" in raised.value.message
             assert hostile.broken is None  # a refusal ends the request cleanly: the worker stays usable
@@ -412,6 +435,7 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
             if mode == "die":
                 assert "exit 3" in raised.value.message
                 assert "hostile worker: dying now" in (raised.value.hint or ""), raised.value.hint
+                assert ("log", "vllm: hostile worker: dying now") in progress.events, progress.events
     finally:
         hostile.close()
     assert not dest.exists() or sorted(str(path.relative_to(dest)) for path in dest.rglob("*")) == []
@@ -465,3 +489,20 @@ def test_a_worker_python_that_cannot_run_is_a_usage_error(tmp_path: Path) -> Non
     with pytest.raises(UsageError) as raised:
         start_worker(str(tmp_path / "no-such-python"))
     assert "--vllm-python" in (raised.value.hint or "")
+
+
+def test_the_workers_reads_are_answered_in_blocks_read_ahead(tmp_path: Path) -> None:
+    """A read of a bucket or Hub SOURCE is answered block by block (a few in flight), never held whole;
+    a file shorter than its header says is an IntegrityError, not short data."""
+    from streamctl.errors import IntegrityError
+    from streamctl.retry import RetryPolicy
+    from streamctl.shard.vllm_cpu_engine import _range_reader
+
+    data = bytes(range(256)) * 100
+    (tmp_path / "f.bin").write_bytes(data)
+    read = _range_reader(open_location(str(tmp_path)), RetryPolicy(), 4096)
+    chunks = list(read("f.bin", 100, 20000))
+    assert [len(chunk) for chunk in chunks] == [4096] * 4 + [20000 - 4 * 4096]
+    assert b"".join(chunks) == data[100:20100]
+    with pytest.raises(IntegrityError):
+        list(read("f.bin", 20000, 10000))

@@ -353,3 +353,41 @@ def test_check_op_passes_good_files_and_finds_a_flipped_byte(
     assert any("sha256" in problem for problem in checked["ranks"][1]["problems"]), checked
     skipped = worker.request({**check, "max_rank_bytes": 10})[-1]
     assert all(r["skipped"] and r["ok"] for r in skipped["ranks"])
+
+
+def test_layer_partition_is_honoured_and_does_not_leak(worker: WorkerClient, models: dict) -> None:
+    llama = models["llama"]
+    plan = worker.request({**plan_request(llama, 2), "pp": 2, "layer_partition": "1,2"}, llama)[-1]
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 1], [1, 3]]
+    refused = worker.request({**plan_request(llama, 2), "pp": 2, "layer_partition": [1, 1]}, llama)[-1]
+    assert refused["kind"] == "bad-parallel-size" and "num_hidden_layers=3" in refused["message"], refused
+    plan = worker.request({**plan_request(llama, 2), "pp": 2}, llama)[-1]  # vLLM's default split again
+    assert [stage["layers"] for stage in plan["stages"]] == [[0, 2], [2, 3]]
+
+
+def test_expert_parallel_ranks_hold_whole_experts(worker: WorkerClient, models: dict, tmp_path: Path) -> None:
+    mixtral = models["mixtral"]
+    plan = worker.request({**plan_request(mixtral, 2), "ep": True}, mixtral)[-1]
+    shapes = {t["name"]: t["shape"] for t in plan["stages"][0]["tensors"]}
+    assert shapes["model.layers.0.block_sparse_moe.experts.routed_experts.w13_weight"] == [2, 256, 64]
+    stages = [{"pp_rank": 0, "parts": parts_of(plan["stages"][0])}]
+    frames = worker.request({"op": "write", "stages": stages}, mixtral)
+    write_rank_files(tmp_path, mixtral, plan, stages, [frame for frame in frames if frame["type"] == "tensor"])
+    check = {"op": "check", "dest_dir": str(tmp_path), "pattern": PATTERN, "max_rank_bytes": 1 << 30}
+    checked = worker.request(check)[-1]
+    assert [(rank["tp_rank"], rank["ok"]) for rank in checked["ranks"]] == [(0, True), (1, True)], checked
+
+
+def test_model_after_model_in_one_worker_stays_exact(worker: WorkerClient, models: dict, written: dict) -> None:
+    """vLLM caches PP-missing layer names by id(model): a pseudo stage reusing a freed one's id skipped the
+    wrong layers (DeepSeek-V2 left random tensors NaN in about half the runs) until the worker forgot them."""
+    deepseek = models["deepseek-v2"]
+    first = {(f["tp_rank"], f["name"]): f["sha256"] for f in written["deepseek-v2"]["tensors"]}
+    for _ in range(4):
+        for pp in (2, 1):
+            plan = worker.request({**plan_request(deepseek, 2), "pp": pp}, deepseek)[-1]
+            stages = [{"pp_rank": stage["pp_rank"], "parts": parts_of(stage)} for stage in plan["stages"]]
+            frames = worker.request({"op": "write", "stages": stages}, deepseek)
+            assert frames[-1]["type"] == "written", frames[-1]
+            if pp == 1:
+                assert {(f["tp_rank"], f["name"]): f["sha256"] for f in frames if f["type"] == "tensor"} == first

@@ -204,7 +204,7 @@ def test_a_cached_environment_with_a_matching_stamp_is_reused_without_building(
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
     venv = tmp_path / "vllm-0.33.0-cpu"
     venv.symlink_to(Path(python).parent.parent)  # the oracle venv, never written to: the stamp lies beside
-    stamp_path(venv).write_text(recipe_stamp("0.33.0"))
+    vllm_env.write_stamp(venv, recipe_stamp("0.33.0"))  # as the builder does, last
     progress = RecordingProgress()
     found = resolve_vllm_python(None, None, progress, build=_never_build)
     assert found == VllmPython(path=str(venv / "bin" / "python"), version="0.33.0")
@@ -219,7 +219,7 @@ def _stand_in_build(version_installed: str) -> Any:
     def build(venv: Path, vllm_version: str, progress: Any, extra_pip_args: Any = (), **kwargs: Any) -> None:
         calls.append(vllm_version)
         fake_vllm_python(venv, version_installed) if not (venv / "bin").exists() else None
-        stamp_path(venv).write_text(recipe_stamp(vllm_version, extra_pip_args, kwargs.get("stamp_extra", "")))
+        vllm_env.write_stamp(venv, recipe_stamp(vllm_version, extra_pip_args, kwargs.get("stamp_extra", "")))
 
     build.calls = calls  # type: ignore[attr-defined]
     return build
@@ -238,6 +238,12 @@ def test_a_missing_or_stale_environment_is_built_once_then_reused(
     stamp_path(venv).write_text(recipe_stamp("0.33.0").replace("recipe=", "recipe=0"))  # an older recipe's
     assert resolve_vllm_python(None, None, RecordingProgress(), build=build) == first
     assert build.calls == ["0.33.0", "0.33.0"]
+    # The venv's own Python answering with another version than the one recorded (it was upgraded): again.
+    recorded = stamp_path(venv).read_text()
+    assert recorded.endswith(f"python={'.'.join(map(str, sys.version_info[:3]))}\n")
+    stamp_path(venv).write_text(recorded.rsplit("python=", 1)[0] + "python=3.10.0\n")
+    assert resolve_vllm_python(None, None, RecordingProgress(), build=build) == first
+    assert build.calls == ["0.33.0", "0.33.0", "0.33.0"]
 
 
 def test_a_build_that_stops_half_way_is_not_taken_for_a_good_one(
@@ -298,7 +304,7 @@ def build(venv, vllm_version, progress, extra_pip_args=(), **kwargs):
     time.sleep(2)
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
-    vllm_env.stamp_path(venv).write_text(vllm_env.recipe_stamp(vllm_version, extra_pip_args))
+    vllm_env.write_stamp(venv, vllm_env.recipe_stamp(vllm_version, extra_pip_args))
     with log.open("a") as out: out.write(f"end {time.time()}\\n")
 
 python = vllm_env.ensure_environment(venv, "0.33.0", Progress(), build=build)
@@ -363,8 +369,10 @@ def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
     assert not stamp_path(venv).exists()
     assert time.monotonic() - started < 60
     # The next try starts from the half-made venv and fails the same way: still no stamp.
+    progress = RecordingProgress()
     with pytest.raises(RemoteError):
-        resolve_vllm_python(None, None, RecordingProgress())
+        resolve_vllm_python(None, None, progress)
+    assert progress.lines[0] == f"completing the CPU-only vLLM 0.33.0 environment in {venv}"
     assert not stamp_path(venv).exists()
 
 

@@ -8,10 +8,12 @@ as the offline writer does (`shard_with_vllm_cpu`)."""
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
-from streamctl.errors import EngineFailed, NotFoundError, UsageError
+from streamctl.errors import EngineFailed, IntegrityError, NotFoundError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.lease import Lease, hold_lease
 from streamctl.locations import check_disjoint
@@ -55,7 +57,7 @@ from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_
 from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import discard_unfinished_uploads
+from streamctl.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,37 @@ def _model_dir(source: Location, read: _Source, folder: str, policy: RetryPolicy
     return folder
 
 
-def _range_reader(source: Location, policy: RetryPolicy) -> ReadSource:
-    def read(file: str, offset: int, length: int) -> bytes:
-        return with_retries(partial(source.store.read_range, source.key(file), offset, length), policy)
+READ_AHEAD = 4  # ranged reads in flight while a "read" frame is answered
+
+
+def _range_reader(source: Location, policy: RetryPolicy, block: int) -> ReadSource:
+    """Answers the worker's reads of a bucket or Hub SOURCE: the range in blocks, a few read ahead, so
+    memory stays near READ_AHEAD blocks whatever the size asked for."""
+
+    def read_span(key: str, start: int, length: int) -> bytes:
+        data = with_retries(partial(source.store.read_range, key, start, length), policy)
+        if len(data) != length:
+            raise IntegrityError(f"{source.store.url(key)} is shorter than its safetensors header says")
+        return data
+
+    def read(file: str, offset: int, length: int) -> Iterator[bytes]:
+        key = source.key(file)
+        spans = [(start, min(block, offset + length - start)) for start in range(offset, offset + length, block)]
+        if len(spans) <= 1:
+            yield from (read_span(key, *span) for span in spans)
+            return
+        with ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="shard-source") as pool:
+            pending: deque[Future[bytes]] = deque()
+            try:
+                for span in spans:
+                    pending.append(pool.submit(read_span, key, *span))
+                    if len(pending) >= READ_AHEAD:
+                        yield pending.popleft().result()
+                while pending:
+                    yield pending.popleft().result()
+            finally:
+                for future in pending:
+                    future.cancel()
 
     return read
 
@@ -143,7 +173,7 @@ def shard_with_vllm_cpu(
     worker.progress, worker.forward_logs = progress, options.engine_logs
     try:
         with tempfile.TemporaryDirectory(prefix="streamctl-vllm-cpu-") as folder:
-            read_source = _range_reader(source, options.retry)
+            read_source = _range_reader(source, options.retry, options.read_block)
             reply = _ask_plan(worker, source, read, folder, options, read_source)
             plan = plan_from_reply(reply, read, options, pattern, source_id or source.url, dest.url)
             _log_plan(reply, options, progress)
@@ -296,7 +326,9 @@ def _write_request(plan: ShardPlan, skip: frozenset[str]) -> dict[str, Any]:
 @dataclass
 class _Router:
     """Routes the worker's tensor frames into the part streams of their (pp_rank, tp_rank), checking each
-    against the plan: name, dtype, shape, size and order."""
+    against the plan: name, dtype, shape, size and order. Frames are read on the caller's thread; one
+    thread per TP rank writes (uploads) its file meanwhile, so the worker is not kept waiting on a bucket;
+    a byte budget bounds what is read but not yet written."""
 
     plan: ShardPlan
     worker: VllmWorker
@@ -307,8 +339,16 @@ class _Router:
     read_source: ReadSource
     shielded: Shielded
     streams: list[PartStream]
-    digests: dict[tuple[int, int, str], str]
+    writers: Mapping[int, ThreadPoolExecutor]  # tp_rank -> its one writer thread
+    cancelled: threading.Event
+    digests: dict[tuple[int, int, str], str] = field(default_factory=dict)
     bytes_written: int = 0
+    budget: ByteBudget = field(init=False)
+    futures: list[Future[Any]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.budget = ByteBudget(self.options.max_buffer)
 
     def write_part(self, part_files: Sequence[PlannedFile]) -> list[WrittenFile]:
         chunk, policy = self.options.upload_chunk, self.options.retry
@@ -316,26 +356,63 @@ class _Router:
         for file in part_files:
             start = partial(start_stream, self.streams, self.dest, file.name, file.size, chunk, policy)
             opened[file.tp_rank] = self.shielded(start)
-            self._write(opened[file.tp_rank], file.header)
+            self._write(file.tp_rank, opened[file.tp_rank], file.header)
         pending = {file.tp_rank: deque(file.tensors) for file in part_files}
         for _ in range(sum(len(file.tensors) for file in part_files)):
             header = self.worker.receive(self.read_source)
             tp_rank, nbytes = self._check(header, part_files[0].pp_rank, pending)
             for data in self.worker.payload(nbytes):
-                self._write(opened[tp_rank], data)
+                self._write(tp_rank, opened[tp_rank], data)
             self.digests[(part_files[0].pp_rank, tp_rank, str(header["name"]))] = str(header["sha256"])
+        finishers = {rank: self.writers[rank].submit(stream.finish) for rank, stream in opened.items()}
+        self.futures.extend(finishers.values())
+        self._wait()
         return [
             WrittenFile(
-                file.name, file.pp_rank, file.tp_rank, file.part, file.size, opened[file.tp_rank].finish(),
+                file.name, file.pp_rank, file.tp_rank, file.part, file.size, finishers[file.tp_rank].result(),
                 tuple((tensor.name, tensor.dtype, tensor.shape) for tensor in file.tensors),
             )
             for file in part_files
         ]  # fmt: skip
 
-    def _write(self, stream: PartStream, data: bytes) -> None:
-        stream.write(data)
-        self.bytes_written += len(data)
-        self.progress.advance(self.task, len(data))
+    def _write(self, tp_rank: int, stream: PartStream, data: bytes) -> None:
+        self._raise_failed()
+        try:
+            held = self.budget.acquire(len(data), self.cancelled)
+        except Cancelled:
+            self._wait()  # the writer's own error, rather than the cancellation it caused
+            raise
+
+        def write() -> None:
+            try:
+                if self.cancelled.is_set():
+                    raise Cancelled()
+                stream.write(data)
+                with self._lock:
+                    self.bytes_written += len(data)
+                self.progress.advance(self.task, len(data))
+            except BaseException:
+                self.cancelled.set()  # stop the frame loop and the other ranks early
+                raise
+            finally:
+                self.budget.release(held)
+
+        self.futures.append(self.writers[tp_rank].submit(write))
+
+    def _raise_failed(self) -> None:
+        """A writer's error, as soon as the frame loop next writes (finished writes are dropped)."""
+        if self.cancelled.is_set():
+            self._wait()
+            raise Cancelled()
+        self.futures = [future for future in self.futures if not future.done() or future.exception() is not None]
+
+    def _wait(self) -> None:
+        wait(self.futures)
+        errors = [error for error in (future.exception() for future in self.futures) if error is not None]
+        self.futures = []
+        real = [error for error in errors if not isinstance(error, Cancelled)]
+        if real or errors:
+            raise (real or errors)[0]
 
     def _check(
         self, header: Mapping[str, Any], pp_rank: int, pending: Mapping[int, deque[PlannedTensor]]
@@ -373,6 +450,11 @@ def _reused(plan: ShardPlan, part_files: Sequence[PlannedFile]) -> list[WrittenF
     ]  # fmt: skip
 
 
+def _stop_writers(writers: Mapping[int, ThreadPoolExecutor], cancel: bool) -> None:
+    for executor in writers.values():
+        executor.shutdown(wait=True, cancel_futures=cancel)
+
+
 def write_routed(
     plan: ShardPlan,
     worker: VllmWorker,
@@ -387,9 +469,13 @@ def write_routed(
     streams: list[PartStream] = []
     skip = skipped_files(plan)
     written: list[WrittenFile] = []
+    cancelled = threading.Event()
+    writers = {rank: ThreadPoolExecutor(1, f"shard-rank{rank}") for rank in range(plan.tensor_parallel_size)}
     try:
         with shielded_calls() as shielded:  # see writer.write_sharded
-            router = _Router(plan, worker, dest, options, progress, task, read_source, shielded, streams, {})
+            router = _Router(
+                plan, worker, dest, options, progress, task, read_source, shielded, streams, writers, cancelled
+            )
             worker.request(_write_request(plan, skip))
             for stage in plan.stages:
                 files = stage_files(plan, stage)
@@ -406,8 +492,11 @@ def write_routed(
             report = worker.receive(read_source)
             if report.get("type") != "written":
                 raise worker.failure(f"the vLLM worker sent a {report.get('type')!r} frame after the last tensor")
+        _stop_writers(writers, cancel=False)
         commit_all(streams, dest, options.retry, progress)
     except BaseException:
+        cancelled.set()
+        _stop_writers(writers, cancel=True)  # no upload is still being written while they are aborted
         abort_all(streams, progress)
         raise
     finally:

@@ -300,19 +300,23 @@ class Plan:
     stage_layers: list[tuple[int, int]]
     stages: list[dict[str, PlannedTensor]]  # per pp_rank: name -> tensor, in state-dict order
     hf_tensors: dict[str, dict[str, Any]]
+    quantization: str | None = None
     sent: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)  # (pp, tp) -> name -> sha256
     global_feeders: set[int] = field(default_factory=set)  # pseudo stages fed the non-layer HF tensors too
+
+    hf_by_layer: dict[int | None, list[str]] = field(default_factory=dict)  # HF names by decoder layer
+
+    def __post_init__(self) -> None:
+        for name in self.hf_tensors:
+            self.hf_by_layer.setdefault(hf_layer_index(name), []).append(name)
 
     def hf_names_of_layer(self, layer: int) -> list[str]:
         """The HF tensors pseudo stage `layer` is fed: its decoder layer's, and on the first and last pseudo
         stage (and any other that produces a non-layer name) every tensor outside the decoder layers
         (embeddings, vision tower, norm, head)."""
-        edge = layer in (0, self.num_layers - 1) or layer in self.global_feeders
-        names = []
-        for name in self.hf_tensors:
-            index = hf_layer_index(name)
-            if index == layer or (index is None and edge):
-                names.append(name)
+        names = list(self.hf_by_layer.get(layer, []))
+        if layer in (0, self.num_layers - 1) or layer in self.global_feeders:
+            names += self.hf_by_layer.get(None, [])
         return names
 
 
@@ -350,7 +354,21 @@ def build_model(vllm_config: Any, device: str = "cpu") -> Any:
         set_default_torch_dtype(vllm_config.model_config.dtype),
         torch.device(device),
     ):
-        return initialize_model(vllm_config=vllm_config)
+        model = initialize_model(vllm_config=vllm_config)
+    forget_freed_models()
+    return model
+
+
+def forget_freed_models() -> None:
+    """vLLM caches each model's PP-missing layer names by id(model) and never forgets them
+    (models/utils.py `_model_to_pp_missing_layer_names`): a new pseudo stage that reuses a freed one's id
+    then skips the wrong layers in load_weights (seen: DeepSeek-V2 TP 2 leaving random tensors NaN, 11 runs
+    in 40). One model is loaded at a time here, so the cache is emptied after every build."""
+    from vllm.model_executor.models import utils as model_utils
+
+    cache = getattr(model_utils, "_model_to_pp_missing_layer_names", None)
+    if isinstance(cache, dict):
+        cache.clear()
 
 
 def _classify_build_error(error: Exception, quantization: str | None) -> WorkerError:
@@ -426,8 +444,11 @@ def _describe_difference(first: list[PlannedTensor], other: list[PlannedTensor])
     return "the same names in a different order"
 
 
-def plan_stage_names(request: dict[str, Any], plan: Plan, pp_rank: int, quantization: str | None) -> list[Any]:
-    """Meta builds of every TP rank of real stage pp_rank: one list (the same for each rank, else refused)."""
+def plan_stage_names(
+    request: dict[str, Any], plan: Plan, pp_rank: int, quantization: str | None
+) -> tuple[list[PlannedTensor], set[str]]:
+    """Meta builds of every TP rank of real stage pp_rank: one list (the same for each rank, else refused),
+    and the build-only shims the builds looked up."""
     first: list[PlannedTensor] = []
     shims: set[str] = set()
     for tp_rank in range(plan.tp):
@@ -446,7 +467,7 @@ def plan_stage_names(request: dict[str, Any], plan: Plan, pp_rank: int, quantiza
                 f"stage {pp_rank}: TP rank {tp_rank}'s tensors differ from TP rank 0's: "
                 + _describe_difference(first, tensors),
             )
-    return [first, shims]
+    return first, shims
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:
@@ -469,7 +490,10 @@ def producing_layers(request: dict[str, Any], plan: Plan, pp_rank: int, tensors:
     candidates: dict[str, list[int]] = {}
     for layer in range(start, end):
         with pp_partition(ones), emulate_rank(plan.tp, 0, plan.num_layers, layer):
-            pseudo, model = meta_tensors(make_vllm_config(request))
+            try:
+                pseudo, model = meta_tensors(make_vllm_config(request))
+            except Exception as error:
+                raise _classify_build_error(error, plan.quantization) from error
         built = _decoder_layers_built(model)
         del model
         if built != 1:
@@ -499,6 +523,8 @@ def _checked_hf_tensors(request: dict[str, Any]) -> dict[str, dict[str, Any]]:
     if not isinstance(tensors, dict) or not tensors:
         raise WorkerError("bad-checkpoint", "the plan request lists no source tensors")
     for name, entry in tensors.items():
+        if not isinstance(entry, dict) or not {"file", "dtype", "shape", "offset", "nbytes"} <= set(entry):
+            raise WorkerError("protocol", f"plan: tensor {name!r} needs file, dtype, shape, offset and nbytes")
         torch_name = SAFETENSORS_DTYPES.get(str(entry.get("dtype")))
         if torch_name is None:
             raise WorkerError("bad-checkpoint", f"{name}: dtype {entry.get('dtype')!r} is not a safetensors dtype")
@@ -534,7 +560,7 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
             stage_layers = [get_pp_indices(num_layers, rank, pp) for rank in range(pp)]
     except Exception as error:
         raise WorkerError("bad-parallel-size", one_line(error)) from error
-    plan = Plan(request, tp, pp, ep, partition, num_layers, stage_layers, [], hf_tensors)
+    plan = Plan(request, tp, pp, ep, partition, num_layers, stage_layers, [], hf_tensors, quantization)
     used: set[str] = set()
     for pp_rank in range(pp):
         tensors, stage_shims = plan_stage_names(request, plan, pp_rank, quantization)

@@ -155,10 +155,10 @@ def stamp_path(venv: Path) -> Path:
 
 
 def recipe_stamp(vllm_version: str, extra_pip_args: Sequence[str] = (), stamp_extra: str = "") -> str:
-    """What a finished build of this recipe records; an environment whose stamp differs is built (again)."""
+    """What a finished build of this recipe records (with its venv's Python: `write_stamp`); an environment
+    whose stamp differs is built (again)."""
     lines = [
         f"recipe={RECIPE_REVISION}",
-        f"python={'.'.join(str(part) for part in sys.version_info[:3])}",
         f"vllm={vllm_version}",
         f"torch={TORCH_VERSION}",
         f"streamer={STREAMER_REQUIREMENT}",
@@ -171,12 +171,20 @@ def recipe_stamp(vllm_version: str, extra_pip_args: Sequence[str] = (), stamp_ex
     return "\n".join(lines) + "\n"
 
 
-def is_built(venv: Path, stamp: str) -> bool:
+def write_stamp(venv: Path, recipe: str) -> None:
+    """The last step of a build: `recipe` and the version of the venv's own Python, which must still run
+    the same for the stamp to hold (whichever Python runs streamctl)."""
+    stamp_path(venv).write_text(f"{recipe}python={_python_version(str(venv_python(venv)))}\n", encoding="utf-8")
+
+
+def is_built(venv: Path, recipe: str) -> bool:
     try:
         recorded = stamp_path(venv).read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
         return False
-    return recorded == stamp and os.access(venv_python(venv), os.X_OK)
+    if not recorded.startswith(recipe) or not os.access(venv_python(venv), os.X_OK):
+        return False
+    return recorded == f"{recipe}python={_python_version(str(venv_python(venv)))}\n"
 
 
 def ensure_environment(
@@ -257,7 +265,10 @@ def build_environment(
             code="vllm-environment-build-failed",
         )
     stamp_path(venv).unlink(missing_ok=True)  # from here until the end, the environment is not a good one
-    progress.log(f"creating a CPU-only vLLM {vllm_version} environment in {venv} (once; a few minutes)")
+    if (venv / "pyvenv.cfg").exists():  # an earlier build stopped, or the recipe changed: pip skips what is there
+        progress.log(f"completing the CPU-only vLLM {vllm_version} environment in {venv}")
+    else:
+        progress.log(f"creating a CPU-only vLLM {vllm_version} environment in {venv} (once; a few minutes)")
     _make_venv(venv, progress)
     python = str(venv_python(venv))
     constraints = venv / "streamctl-torch-constraint.txt"
@@ -284,15 +295,16 @@ def build_environment(
     )
     progress.log("checking that vLLM imports on the CPU")
     _import_check(python, vllm_version, (*CHECK_IMPORTS, *check_imports))
-    stamp_path(venv).write_text(recipe_stamp(vllm_version, extra_pip_args, stamp_extra), encoding="utf-8")
+    write_stamp(venv, recipe_stamp(vllm_version, extra_pip_args, stamp_extra))
     progress.log(f"the vLLM {vllm_version} environment is ready: {venv}")
 
 
 def _make_venv(venv: Path, progress: Progress) -> None:
+    """A venv left by an earlier build is finished (pip skips what it has) while its Python still runs."""
     python = venv_python(venv)
-    wanted = ".".join(str(part) for part in sys.version_info[:3])
-    if python.exists() and _python_version(str(python)) != wanted and not venv.is_symlink():
-        progress.log(f"{venv} was made by another Python: building it again")
+    made = (venv / "pyvenv.cfg").exists() and not venv.is_symlink()
+    if made and _python_version(str(python)) is None:
+        progress.log(f"{venv}'s Python no longer runs: building it again")
         shutil.rmtree(venv)
     if not python.exists():
         _run_step([sys.executable, "-m", "venv", str(venv)], "python -m venv", "")
@@ -500,4 +512,5 @@ __all__ = [
     "resolve_vllm_python",
     "stamp_path",
     "venv_python",
+    "write_stamp",
 ]

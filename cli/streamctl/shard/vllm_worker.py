@@ -9,12 +9,13 @@ pipe, so the worker is killed then and cannot be used again.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -39,8 +40,8 @@ STOP_TIMEOUT_S = 10.0  # how long a worker may take to exit after EOF on its std
 USAGE_KINDS = frozenset({"unsupported-architecture", "bad-parallel-size", "unsupported-quantization", "bad-checkpoint"})
 FINAL_TYPES = frozenset({"plan", "written", "checked", "error"})
 
-# (file relative to SOURCE, offset, length) -> exactly those bytes: answers a "read" frame.
-ReadSource = Callable[[str, int, int], bytes]
+# (file relative to SOURCE, offset, length) -> exactly those bytes, in chunks: answers a "read" frame.
+ReadSource = Callable[[str, int, int], Iterable[bytes]]
 
 
 def worker_environment(base: Mapping[str, str]) -> dict[str, str]:
@@ -124,11 +125,28 @@ class VllmWorker:
             raise self.failure(f"the vLLM worker asked for bytes it was not offered: {dict(header)}")
         if not isinstance(length, int) or offset < 0 or length < 0:
             raise self.failure(f"the vLLM worker asked for a bad byte range: {dict(header)}")
-        data = read_source(file, offset, length)
-        self._send({"op": "data", "nbytes": len(data)}, data)
-
-    def _send(self, header: Mapping[str, Any], payload: bytes | None = None) -> None:
+        # The header first, then the bytes as they are read: a large range is never held whole here.
+        self._send({"op": "data", "nbytes": length}, streamed=True)
+        sent = 0
         try:
+            for chunk in read_source(file, offset, length):
+                self.stdin.write(chunk)
+                sent += len(chunk)
+            self.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            raise self.failure("the vLLM worker stopped reading the bytes it asked for") from None
+        except BaseException:
+            self.kill("a read it asked for failed half-way")  # the frame cannot be completed
+            raise
+        if sent != length:
+            raise self.failure(f"answered a read of {length} bytes with {sent}")
+
+    def _send(self, header: Mapping[str, Any], payload: bytes | None = None, *, streamed: bool = False) -> None:
+        """One frame; `streamed`: only its header line, the caller writes its `nbytes` bytes after it."""
+        try:
+            if streamed:
+                self.stdin.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
+                return
             write_frame(self.stdin, header, payload)
         except (BrokenPipeError, ValueError, OSError):
             raise self.failure("the vLLM worker stopped reading its requests") from None
