@@ -71,6 +71,7 @@ class WorkerClient:
 
     def __init__(self, python: str, log: Path) -> None:
         env = {**os.environ, "PYTHONPATH": str(CLI_DIR)}
+        self.log = log
         self.stderr = log.open("wb")
         self.process = subprocess.Popen(
             [python, "-P", "-m", "streamctl.shard.vllm_cpu_worker"],
@@ -391,3 +392,12 @@ def test_model_after_model_in_one_worker_stays_exact(worker: WorkerClient, model
             assert frames[-1]["type"] == "written", frames[-1]
             if pp == 1:
                 assert {(f["tp_rank"], f["name"]): f["sha256"] for f in frames if f["type"] == "tensor"} == first
+
+
+def test_stderr_carries_each_vllm_warning_once(worker: WorkerClient, written: dict) -> None:
+    """vLLM warns per model built; the worker builds one per layer and rank: each message must pass once."""
+    lines = worker.log.read_text(errors="replace").splitlines()
+    assert sum("Reset SSM cache type" in line for line in lines) == 1, lines[:20]
+    logged = [line for line in lines if "Runai Model Streamer" not in line]  # the check op's loader: a bar per rank
+    repeated = {line for line in logged if line.strip() and logged.count(line) > 3}
+    assert not repeated, sorted(repeated)[:5]

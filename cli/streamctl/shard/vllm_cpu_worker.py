@@ -25,6 +25,11 @@ write  per part, consecutive names grouped by layer; the layer's HF tensors read
 check  the FULL rank model (real rank emulated) loaded by vLLM's own ShardedStateLoader (runai_streamer_sharded
        when the Run:ai streamer is importable, else sharded_state) from DEST; every loaded tensor's sha256,
        before post-processing, must equal what write sent.
+
+Outgoing frames go through one writer thread (it hashes and writes while the next pseudo stage loads; at most
+INFLIGHT_BYTES queued). One torch thread (OpenMP's spinning workers cost 3-4x the CPU on a busy machine).
+vLLM's id(model)-keyed cache of PP-missing layers is emptied after every build (forget_freed_models), and
+each vLLM log message reaches stderr once (OncePerMessage). Build-only shims: streamctl/shard/vllm_shims.py.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import os
 import queue
 import re
@@ -337,7 +343,7 @@ def make_vllm_config(
     extra = {"pattern": pattern} if pattern else {}
     return VllmConfig(
         model_config=model_config,
-        load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra),
+        load_config=LoadConfig(load_format=load_format, model_loader_extra_config=extra, use_tqdm_on_load=False),
         parallel_config=ParallelConfig(enable_expert_parallel=bool(request.get("ep"))),
         compilation_config=CompilationConfig(mode=CompilationMode.NONE),
     )
@@ -711,9 +717,9 @@ def _poison(model: Any) -> dict[str, Any]:
 
 def load_pseudo_stage(
     plan: Plan, layer: int, tp_rank: int, hf: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Pseudo stage `layer` at `tp_rank`, built on the CPU and loaded by its own load_weights: its filtered
-    state dict (before post-processing) and the construction values of its poisoned small parameters."""
+    state dict (before post-processing), the construction values of its poisoned small parameters, the model."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
@@ -728,7 +734,21 @@ def load_pseudo_stage(
         except Exception as error:
             raise WorkerError("bad-checkpoint", f"layer {layer}, TP rank {tp_rank}: {one_line(error)}") from error
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
-    return state, saved
+    return state, saved, model
+
+
+def release_weights(model: Any) -> None:
+    """Drop a sent model's parameter and buffer storage now (the frames still queued keep theirs until they
+    are written): its module objects sit in reference cycles until the per-layer gc, its weights need not."""
+    import torch
+
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None:
+                param.data = torch.empty(0, dtype=param.dtype)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty(0, dtype=buffer.dtype)
 
 
 def raw_bytes(tensor: Any) -> memoryview:
@@ -830,10 +850,11 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
                     channel.log(f"stage {pp_rank}: layer {layer + 1} of {plan.num_layers}")
                     hf = layer_hf_tensors(channel, plan, layer, cache)
                     for tp_rank in range(plan.tp):
-                        state, saved = load_pseudo_stage(plan, layer, tp_rank, hf)
+                        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf)
                         send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
-                        del state, saved
-                        gc.collect()  # a built vLLM model sits in reference cycles
+                        release_weights(model)  # one rank's weights alive at a time, without a gc per rank
+                        del state, saved, model
+                    gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
     finally:
         cache.drop()
         gc.collect()
@@ -953,10 +974,13 @@ def serve(channel: Channel) -> int:
             channel.flush()
             return 0
         op = header.get("op")
+        quiet_repeated_vllm_logs()
         try:
             if op == "plan":
                 plan = None  # nothing of the last plan survives a new one, even a failed one
                 plan = op_plan(channel, header)
+                gc.collect()
+                gc.freeze()  # what a plan imported (model modules) stays: keep it out of every per-layer gc
             elif op in handlers:
                 handlers[op](header)
             else:
@@ -967,6 +991,43 @@ def serve(channel: Channel) -> int:
         except Exception as error:  # noqa: BLE001 - one error frame per failed op; the worker serves on
             channel.send(error_frame(error))
         channel.flush()  # the op's last frame is out before the next request is read
+
+
+class OncePerMessage(logging.Filter):
+    """vLLM warns per model built ("Reset SSM cache type...", "Attempted to load weight ... with dtype"): with
+    a pseudo stage per layer and rank that floods stderr. Each message template passes once; errors always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        key = (record.name, str(record.msg))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+ONCE = OncePerMessage()
+
+
+def quiet_repeated_vllm_logs() -> None:
+    """ONCE on vLLM's log handlers (idempotent: every op calls it, in case vLLM configured its logging since);
+    when vLLM's logging is not configured (its records reach Python's last-resort handler), a stderr handler
+    of our own, with ONCE, takes their place."""
+    vllm_logger = logging.getLogger("vllm")
+    handlers = vllm_logger.handlers + logging.getLogger().handlers
+    if not handlers:
+        own = logging.StreamHandler(sys.stderr)
+        own.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        vllm_logger.addHandler(own)
+        handlers = [own]
+    for handler in handlers:
+        if ONCE not in handler.filters:
+            handler.addFilter(ONCE)
 
 
 def main() -> int:
@@ -984,6 +1045,7 @@ def main() -> int:
     channel = Channel(sys.stdin.buffer, out)
     try:
         vllm_shims.install()
+        quiet_repeated_vllm_logs()
         init_vllm()
         gc.collect()
         gc.freeze()  # vLLM's import graph is ~1M objects: keep it out of every per-layer collection
