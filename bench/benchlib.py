@@ -6,7 +6,8 @@
 - Environment: `isolated_env()`, the variables tests/conftest.py sets for its servers and fake hub, so
   SDKs never read a developer's real cloud or Hugging Face settings and never leave 127.0.0.1.
 - Measuring a child process: `run_measured()` runs a command, polls a scratch folder's disk usage, and
-  reads the child's own peak RSS from `os.wait4` (so the benchmark process's memory is never counted).
+  reads the child's own peak RSS from `os.wait4` (so the benchmark process's memory is never counted);
+  `tree_rss=True` also samples the peak RSS of each process under it (a worker subprocess's own peak).
 - Output: `Table` prints aligned tables; `Targets.check()` a PASS/FAIL line, and `Targets.exit_status()`
   the exit status of the run (1 when any target was missed).
 """
@@ -236,6 +237,13 @@ sys.exit(os.waitstatus_to_exitcode(status))
 
 
 @dataclass(frozen=True)
+class ProcessPeak:
+    pid: int
+    argv: tuple[str, ...]
+    peak_rss: int  # bytes: the process's VmHWM at the last sample before it ended
+
+
+@dataclass(frozen=True)
 class ChildRun:
     returncode: int
     seconds: float
@@ -244,9 +252,43 @@ class ChildRun:
     cpu_s: float  # user + system CPU seconds of the child
     stdout: str
     stderr: str
+    descendants: tuple[ProcessPeak, ...] = ()  # with tree_rss=True: the command and every process under it
 
 
-def run_measured(argv: Sequence[str], *, env: dict[str, str], watch: Path, poll_s: float = 0.1) -> ChildRun:
+def descendant_pids(root: int) -> list[int]:
+    """`root`'s descendants now (children, their children, ...), from each process's parent in /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, pending = [], list(children.get(root, []))
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending.extend(children.get(pid, []))
+    return found
+
+
+def process_peak(pid: int) -> ProcessPeak | None:
+    """A process's VmHWM and command line now; None once it is gone."""
+    try:
+        argv = tuple(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return ProcessPeak(pid, argv, int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return None
+
+
+def run_measured(
+    argv: Sequence[str], *, env: dict[str, str], watch: Path, poll_s: float = 0.1, tree_rss: bool = False
+) -> ChildRun:
     """Run `argv`; measure wall time, peak RSS of the child and peak disk growth of `watch`.
 
     Peak RSS comes from `os.wait4` on the child itself (Linux reports ru_maxrss in KiB), taken by a small
@@ -254,15 +296,23 @@ def run_measured(argv: Sequence[str], *, env: dict[str, str], watch: Path, poll_
     counted; it covers the child's own children only if the child waited for them. Disk is the size of
     `watch` (allocated blocks), polled every `poll_s`: point the child's HOME, caches and TMPDIR inside it.
     (The file system's free space is no measure on a shared machine: other processes write to it too.)
+    `tree_rss`: also sample, every `poll_s`, the VmHWM of each process under the launcher (a worker the child
+    starts has its own peak, which wait4 folds into the child's); a process's last sample stands for its peak.
     """
     watch.mkdir(parents=True, exist_ok=True)
     disk_before = disk_usage(watch)
     peaks = {"disk": 0}
+    tree: dict[int, ProcessPeak] = {}
+    launcher: list[int] = []
     done = threading.Event()
 
     def poll() -> None:
         while not done.wait(poll_s):
             peaks["disk"] = max(peaks["disk"], disk_usage(watch) - disk_before)
+            for pid in descendant_pids(launcher[0]) if tree_rss and launcher else ():
+                sample = process_peak(pid)
+                if sample is not None and sample.argv:
+                    tree[pid] = sample
 
     side = watch.parent / f".{watch.name}"
     out_path, err_path, usage_path = (side.with_suffix(suffix) for suffix in (".stdout", ".stderr", ".rusage"))
@@ -273,6 +323,7 @@ def run_measured(argv: Sequence[str], *, env: dict[str, str], watch: Path, poll_
             [sys.executable, "-c", _RUSAGE_LAUNCHER, str(usage_path), *argv],
             env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
+        launcher.append(process.pid)
         poller.start()
         try:
             returncode = process.wait()
@@ -290,7 +341,14 @@ def run_measured(argv: Sequence[str], *, env: dict[str, str], watch: Path, poll_
     for path in (out_path, err_path, usage_path):
         path.unlink(missing_ok=True)
     return ChildRun(
-        returncode, seconds, usage["maxrss_kib"] * 1024, peaks["disk"], usage["user_s"] + usage["sys_s"], stdout, stderr
+        returncode,
+        seconds,
+        usage["maxrss_kib"] * 1024,
+        peaks["disk"],
+        usage["user_s"] + usage["sys_s"],
+        stdout,
+        stderr,
+        tuple(tree.values()),
     )
 
 
