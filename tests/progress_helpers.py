@@ -22,3 +22,8 @@ class RecordingProgress:
 
     def log(self, message: str) -> None:
         self.events.append(("log", message))
+
+    @property
+    def lines(self) -> list[str]:
+        """The log lines, in order."""
+        return [str(message) for kind, message in self.events if kind == "log"]

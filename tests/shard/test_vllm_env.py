@@ -16,6 +16,7 @@ import pytest
 
 from cli_helpers import CliResult, run_cli
 from oracle import oracle_python, requires_vllm_oracle
+from progress_helpers import RecordingProgress
 from shard_models import write_model
 from streamctl.checkpoint.vllm_layouts import default_vllm_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
@@ -24,23 +25,6 @@ from streamctl.shard.vllm_env import VllmPython, recipe_stamp, resolve_vllm_pyth
 
 CLI_DIR = Path(vllm_env.__file__).resolve().parents[2]
 REPO = CLI_DIR.parent
-
-
-class RecordingProgress:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def task(self, description: str, total: int | None) -> int:
-        return 0
-
-    def advance(self, task_id: int, amount: int) -> None:
-        pass
-
-    def done(self, task_id: int) -> None:
-        pass
-
-    def log(self, message: str) -> None:
-        self.lines.append(message)
 
 
 def fake_vllm_python(folder: Path, version: str | None) -> Path:

@@ -130,16 +130,29 @@ def check_tensor_parallel(dims: ModelDims, tp: int) -> None:
         )
 
 
+def read_config(source: Location, listing: SourceListing) -> dict[str, Any]:
+    """SOURCE's config.json, which every engine needs (NotFoundError naming why it is missing)."""
+    if CONFIG_NAME not in listing.sizes:
+        weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
+        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
+    return read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
+
+
+def quantization_method(config: Mapping[str, Any]) -> str | None:
+    """The checkpoint's quantization method (its `quant_method`, else "quantization_config"); None when
+    config.json declares none."""
+    quantization = config.get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    return str(method) if method else "quantization_config"
+
+
 def _check_supported(config: Mapping[str, Any], row: LayoutRow) -> tuple[str, ArchitectureLayout]:
-    if config.get("quantization_config") is not None:
-        method = (
-            config["quantization_config"].get("quant_method")
-            if isinstance(config["quantization_config"], dict)
-            else None
-        )
+    method = quantization_method(config)
+    if method is not None:
         raise UsageError(
-            f"the checkpoint is quantized ({method or 'quantization_config'}); the offline writer handles "
-            "unquantized checkpoints only",
+            f"the checkpoint is quantized ({method}); the offline writer handles unquantized checkpoints only",
             hint=_engine_hint(),
         )
     architectures = config.get("architectures")
@@ -385,10 +398,7 @@ def plan_shard(source: Location, dest: Location, options: ShardOptions, source_i
     check_disjoint(source, dest)
 
     listing = list_source(source)
-    if CONFIG_NAME not in listing.sizes:
-        weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
-        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
-    config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
+    config = read_config(source, listing)
     architecture, layout = _check_supported(config, row)
     dims = read_dims(config, layout, architecture)
     check_tensor_parallel(dims, tp)

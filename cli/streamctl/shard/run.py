@@ -23,7 +23,7 @@ from streamctl.shard.checks import check_written
 from streamctl.shard.dest import plan_dest
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import Engine, ShardOptions, ShardPlan, skipped_files
-from streamctl.shard.planning import list_source, plan_shard, read_json_object
+from streamctl.shard.planning import list_source, plan_shard, quantization_method, read_json_object
 from streamctl.shard.result import ShardCheckFailed, ShardResult
 from streamctl.shard.vllm_engine import shard_with_vllm
 from streamctl.shard.writer import write_sharded
@@ -89,10 +89,9 @@ def auto_engine(config: Mapping[str, Any] | None, options: ShardOptions) -> tupl
         return "offline", "SOURCE has no config.json"
     architectures = config.get("architectures")
     architecture = architectures[0] if isinstance(architectures, list) and architectures else None
-    quantization = config.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        return "vllm-cpu", f"the checkpoint is quantized ({method or 'quantization_config'})"
+    method = quantization_method(config)
+    if method is not None:
+        return "vllm-cpu", f"the checkpoint is quantized ({method})"
     if options.enable_expert_parallel:
         return "vllm-cpu", "--enable-expert-parallel"
     if not isinstance(architecture, str) or all(row.architecture(architecture) is None for row in LAYOUT_ROWS):

@@ -18,12 +18,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes, skipped_because
+from streamctl.checkpoint.files import listing_notes, log_notes
 from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
-from streamctl.errors import EngineFailed, IntegrityError, NotFoundError, UsageError
+from streamctl.errors import EngineFailed, IntegrityError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.lease import Lease, hold_lease
 from streamctl.locations import check_disjoint
@@ -47,7 +47,7 @@ from streamctl.shard.plan import (
 )
 from streamctl.shard.planning import (
     list_source,
-    read_json_object,
+    read_config,
     read_source_tensors,
     serving_files_to_copy,
     weight_files,
@@ -76,10 +76,7 @@ def _read_source(source: Location, progress: Progress) -> _Source:
     notes = listing_notes(source)
     log_notes(notes, progress)
     listing = list_source(source)
-    if CONFIG_NAME not in listing.sizes:
-        weight_files(source, listing)  # a Mistral or Meta layout explains the missing config better
-        raise NotFoundError(f"no {CONFIG_NAME} under {source.url}{skipped_because(source, CONFIG_NAME)}")
-    config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME])
+    config = read_config(source, listing)
     tensors = read_source_tensors(source, listing, weight_files(source, listing))
     files = sorted({tensor.file for tensor in tensors.values()})
     return _Source(
