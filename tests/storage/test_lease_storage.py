@@ -12,6 +12,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,35 @@ def test_unfinished_uploads_carry_their_start_time_and_recent_ones_are_kept(any_
     assert [root.relative(upload.key) for upload in root.store.unfinished_uploads(root.key(""))] == ["live.bin"]
     live.complete()  # the live writer finishes undisturbed
     assert root.store.read_range(root.key("live.bin"), 0, 3) == b"ppp"
+
+
+def test_conditional_writes_survive_the_temporary_folder_vanishing_under_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local conditional write makes `.streamctl-tmp/TOKEN` for its temporary file while other writes'
+    clean-ups may remove the emptied `.streamctl-tmp` (seen: six racing `--worker` shares, one failing). A
+    write that loses that race makes the folder again, as uploads do. The race is made to happen: another
+    clean-up removes `.streamctl-tmp` just before each of the first two attempts to make TOKEN in it (the
+    second defeats pathlib's own one retry)."""
+    import os
+
+    from streamctl.storage.base import TEMPORARY_FOLDER
+
+    real_mkdir = Path.mkdir
+    lost: list[Path] = []
+
+    def mkdir_losing_twice(path: Path, *args: object, **kwargs: object) -> None:
+        if path.parent.name == TEMPORARY_FOLDER and len(lost) < 2 and path.parent.exists():
+            os.rmdir(path.parent)  # another write's clean-up wins the race
+            lost.append(path)
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    dest = open_root(str(tmp_path))
+    monkeypatch.setattr(Path, "mkdir", mkdir_losing_twice)
+    version = dest.store.create_if_absent(dest.key("manifest.json"), b"1")
+    assert len(lost) == 2  # the race really happened
+    lost.clear()
+    dest.store.replace_if_version(dest.key("manifest.json"), b"2", version)
+    assert len(lost) == 2
+    assert (tmp_path / "manifest.json").read_bytes() == b"2"
+    assert not (tmp_path / TEMPORARY_FOLDER).exists()

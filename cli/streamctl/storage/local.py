@@ -194,6 +194,10 @@ def _open_folder(parent_fd: int, name: str, shown: Path, create: bool) -> int:
         raise
 
 
+# How often a write makes `.streamctl-tmp` again when other writes' clean-ups keep removing it under it.
+TEMPORARY_FOLDER_ATTEMPTS = 10
+
+
 def _remove_upload_folder(parent_fd: int, token: str) -> None:
     """Remove an upload's empty TOKEN folder, and the temporary folder when no other upload uses it."""
     try:
@@ -374,7 +378,7 @@ def _create_temporary(parent_fd: int, name: str, final: Path, resume: str | None
     `final`; with `resume`, the temporary file of that token reopened when an earlier run left one."""
     token = resume or new_temporary_token()
     shown = final.parent / TEMPORARY_FOLDER
-    for _ in range(10):
+    for _ in range(TEMPORARY_FOLDER_ATTEMPTS):
         try:
             temporary_fd = _open_folder(parent_fd, TEMPORARY_FOLDER, shown, create=True)
             try:
@@ -748,8 +752,15 @@ class LocalStore:
     def _lease_temporary(self, key: str) -> Path:
         """A path of the one reserved temporary form (see TEMPORARY_FOLDER) for a small conditional write."""
         path = self._path(temporary_key(key, new_temporary_token()))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path
+        for _ in range(TEMPORARY_FOLDER_ATTEMPTS):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return path
+            except FileNotFoundError:
+                continue  # another write's clean-up removed the emptied temporary folder meanwhile: again
+        raise RemoteError(
+            f"{path.parent.parent}: the temporary folder keeps vanishing", hint="is another program removing it?"
+        )
 
     def create_if_absent(self, key: str, data: bytes, metadata: Mapping[str, str] | None = None) -> str:
         """Written in full to a temporary file, then hard-linked to the final name, which fails when the name
