@@ -534,3 +534,21 @@ def test_the_tensor_pipe_is_widened_to_a_mebibyte(tmp_path: Path, monkeypatch: p
         assert fcntl.fcntl(worker.stdout.fileno(), fcntl.F_GETPIPE_SZ) == PIPE_SIZE == 1024 * 1024
     finally:
         worker.close()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, "1"), ("0", "0")])
+def test_the_worker_asks_for_huge_pages_unless_told_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str | None, expected: str
+) -> None:
+    """The worker process itself runs with PyTorch's THP_MEM_ALLOC_ENABLE=1 (fresh weights fault in 2 MiB at a
+    time); a value the user exported is passed on as it is."""
+    if given is None:
+        monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", given)
+    worker = hostile_worker(tmp_path, "die", monkeypatch)
+    try:
+        environ = Path(f"/proc/{worker.process.pid}/environ").read_bytes().split(b"\0")
+        assert f"THP_MEM_ALLOC_ENABLE={expected}".encode() in environ
+    finally:
+        worker.close()

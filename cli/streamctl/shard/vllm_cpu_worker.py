@@ -956,6 +956,7 @@ def check_rank(plan: Plan, pp_rank: int, tp_rank: int, request: dict[str, Any], 
         elif name in sent and hashlib.sha256(raw_bytes(state[name])).hexdigest() != sent[name]:
             problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
     problems += [f"{name}: loaded but not planned" for name in state if name not in plan.stages[pp_rank]]
+    release_weights(model)  # its storage outlives the module objects otherwise: each rank's would add up
     del model, state
     gc.collect()
     return problems

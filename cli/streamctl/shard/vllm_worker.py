@@ -46,8 +46,12 @@ ReadSource = Callable[[str, int, int], Iterable[bytes]]
 
 def worker_environment(base: Mapping[str, str]) -> dict[str, str]:
     """The worker's environment: this package first on its path, vLLM's CPU platform, the Hub offline (the
-    parent reads every byte of a remote SOURCE; vLLM must not reach anything)."""
+    parent reads every byte of a remote SOURCE; vLLM must not reach anything), and PyTorch's CPU allocator
+    asking for transparent huge pages (unless the caller chose): every layer's weights and every checked
+    rank are fresh memory, and faulting it in 2 MiB at a time instead of 4 KiB cut the 3.1 GB Mixtral
+    bench's run from 20.3 s to 17.3 s (median of 3; the loader check from 8.9 s to 6.1 s)."""
     environment = dict(base)
+    environment.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     path = environment.get("PYTHONPATH")
     environment["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + path if path else "")
     environment["VLLM_TARGET_DEVICE"] = "cpu"
