@@ -392,6 +392,7 @@ def run_case(case: Case, scratch: Path, args: argparse.Namespace, targets: Targe
             flush=True,
         )
     verdicts = throughput_table(case, cp_bytes, cp_runs, median(cp_cpu), runs, targets)
+    print_bounds(cp_bytes, cp_runs, runs)
     if case.engine:
         verdicts += worker_memory(case, checkpoint, runs, targets)
     else:
@@ -461,6 +462,24 @@ def throughput_table(
                 f"checks after writing {checks:.1f} (verify-index, tensors re-read, vLLM's loader)"
             )
     return verdicts
+
+
+def print_bounds(cp_bytes: int, cp_runs: list[float], runs: dict[int, list[ShardRun]]) -> None:
+    """vllm-cpu: what bounds its ratio, from the same rounds (informational, no target). The worker's fixed
+    cost (its start: vLLM's import and init, then the plan) is paid once per run whatever the checkpoint's
+    size; the ratio it alone allows for these bytes, and the throughput of the rest (write and checks)."""
+    cp = median(cp_runs)
+    for tp, tp_runs in runs.items():
+        phases = [run for run in tp_runs if run.worker_write_seconds is not None]
+        if not phases:
+            continue
+        fixed = median([run.write_seconds - (run.worker_write_seconds or 0) for run in phases])
+        rest = median([run.bytes_written / (run.seconds - fixed) / (cp_bytes / cp) for run in phases])
+        print(
+            f"TP {tp} bounds: the fixed cost (worker start + plan: vLLM's import and init) of {fixed:.1f} s alone "
+            f"allows at most {cp / fixed:.2f} x cp end to end for these bytes, however fast the rest; without it "
+            f"(write and checks) the run moved {rest:.2f} x cp"
+        )
 
 
 def worker_memory(case: Case, checkpoint: Checkpoint, runs: dict[int, list[ShardRun]], targets: Targets) -> list[str]:

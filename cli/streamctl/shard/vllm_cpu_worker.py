@@ -85,7 +85,7 @@ FP8_BLOCK_MISSING = (
 )
 MESSAGE_LIMIT = 600
 LOG_INTERVAL_S = 2.0
-INFLIGHT_BYTES = 128 * 1024 * 1024  # tensor payload queued for the writer thread, at most (one tensor always)
+INFLIGHT_BYTES = 64 * 1024 * 1024  # tensor payload queued for the writer thread, at most (one tensor always)
 
 
 class WorkerError(Exception):
