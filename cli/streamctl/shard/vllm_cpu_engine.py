@@ -220,6 +220,11 @@ def _log_plan(reply: Mapping[str, Any], options: ShardOptions, progress: Progres
         f"vLLM {reply.get('vllm_version')} lays out {reply.get('architecture')} "
         f"(served as {reply.get('served_dtype')}{ep}){used}"
     )
+    if reply.get("layerwise") is False:
+        progress.log(
+            f"vLLM's {reply.get('architecture')} has no pipeline stages, so each rank is built whole, not one "
+            "layer at a time: the worker holds one rank's weights at once"
+        )
 
 
 def _reply_field(reply: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
@@ -279,6 +284,7 @@ def plan_from_reply(
         "enable_expert_parallel": options.enable_expert_parallel,
         "quantization": reply.get("quantization"),
         "shims": [str(shim) for shim in reply.get("shims") or []],
+        "layerwise": reply.get("layerwise") is not False,
         "torch_version": reply.get("torch_version"),
     }
     return ShardPlan.for_run(

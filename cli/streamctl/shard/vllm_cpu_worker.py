@@ -15,7 +15,9 @@ plan   `ModelConfig.verify_with_parallel_config` first (vLLM's own refusals, cla
        PSEUDO STAGE of the stage at TP rank 0: a pipeline of L = num_hidden_layers stages of one decoder layer
        each (VLLM_PP_LAYER_PARTITION=1,...,1; `make_layers` builds layer i only, embeddings exist on pseudo
        stage 0 only, norm/head on L-1 only). A name's "layer" is the first pseudo stage that holds it; a name
-       no pseudo stage holds is refused here, before anything is written.
+       no pseudo stage holds is refused here, before anything is written. A model whose vLLM class has no
+       pipeline stages (not SupportsPP: BERT and other encoders) cannot be cut into pseudo stages: its names
+       get the layer WHOLE_RANK and each rank is built and loaded whole (reply "layerwise": false).
 write  per part, consecutive names grouped by layer; the layer's HF tensors read once (memory-mapped from
        local_root with safe_open, or "read" frames answered by the parent) and kept for the next group; per TP
        rank the pseudo stage is built on the CPU, every floating parameter NaN-poisoned, loaded by the model's
@@ -75,10 +77,13 @@ SAFETENSORS_DTYPES: dict[str, str] = {
 }
 TORCH_TO_SAFETENSORS = {torch_name: st_name for st_name, torch_name in SAFETENSORS_DTYPES.items()}
 
-# The decoder-layer index of an HF tensor name (the language model's layers, not a vision encoder's): what a
-# pseudo stage is fed. The NaN poison check catches a tensor this rule fails to feed.
-_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_NOT_DECODER = ("vision", "visual", "encoder", "mm_projector", "multi_modal")
+# What checkpoints and vLLM's model classes call the decoder-layer list: `model.layers` (Llama and most),
+# `transformer.h` (GPT-2, Falcon, GPT-J, BLOOM, Qwen 1), `transformer.blocks` (MPT, DBRX).
+_LAYER_LISTS = ("layers", "h", "blocks")
+# The decoder-layer index of an HF tensor name (the language model's layers, not a vision or audio encoder's):
+# what a pseudo stage is fed. The NaN poison check catches a tensor this rule fails to feed.
+_HF_LAYER = re.compile(r"(?:^|\.)(?:" + "|".join(_LAYER_LISTS) + r")\.(\d+)\.")
+_NOT_DECODER = ("vision", "visual", "audio", "encoder", "mm_projector", "multi_modal")
 FP8_BLOCK_MISSING = (
     "vLLM's CPU FP8 block kernel needs AMX tiles (Sapphire Rapids or newer) and vllm._C's fp8_scaled_mm_cpu, "
     "which this CPU-only vLLM environment lacks"
@@ -280,16 +285,19 @@ def init_vllm() -> None:
 
 @contextmanager
 def emulate_rank(tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Iterator[None]:
-    """Every vLLM TP/PP query answers as rank (pp_rank, tp_rank) of (pp_size, tp_size); restored after."""
+    """Every vLLM TP/PP/EP query answers as rank (pp_rank, tp_rank) of (pp_size, tp_size); restored after.
+    The EP group is the TP group's ranks (vLLM's with data and context parallel at 1): model code that slices
+    experts by `get_ep_group()` itself (gpt-oss) must see the same rank as FusedMoE does."""
     from vllm.distributed import parallel_state
 
-    groups = (parallel_state._TP, parallel_state._PP)
+    tp, pp, ep = parallel_state._TP, parallel_state._PP, getattr(parallel_state, "_EP", None)
+    groups = (tp, pp) if ep is None else (tp, pp, ep)
     fields = ("world_size", "rank_in_group", "ranks", "rank")
     saved = [{name: getattr(group, name) for name in fields} for group in groups]
-    tp, pp = groups
     global_rank = pp_rank * tp_size + tp_rank
-    tp.world_size, tp.rank_in_group, tp.rank = tp_size, tp_rank, global_rank
-    tp.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
+    for group in (tp, ep) if ep is not None else (tp,):
+        group.world_size, group.rank_in_group, group.rank = tp_size, tp_rank, global_rank
+        group.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
     pp.world_size, pp.rank_in_group, pp.rank = pp_size, pp_rank, global_rank
     pp.ranks = [stage * tp_size + tp_rank for stage in range(pp_size)]
     try:
@@ -321,6 +329,9 @@ def pp_partition(value: str | None) -> Iterator[None]:
 # --- the plan ----------------------------------------------------------------------------------------------
 
 
+WHOLE_RANK = -2  # the "layer" of every name of a model built a whole rank at a time (no pipeline stages)
+
+
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
@@ -345,6 +356,7 @@ class Plan:
     quantization: str | None = None
     sent: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)  # (pp, tp) -> name -> sha256
     global_feeders: set[int] = field(default_factory=set)  # pseudo stages fed the non-layer HF tensors too
+    layerwise: bool = True  # False: the model has no pipeline stages, every rank is built whole (WHOLE_RANK)
 
     hf_by_layer: dict[int | None, list[str]] = field(default_factory=dict)  # HF names by decoder layer
 
@@ -356,6 +368,8 @@ class Plan:
         """The HF tensors pseudo stage `layer` is fed: its decoder layer's, and on the first and last pseudo
         stage (and any other that produces a non-layer name) every tensor outside the decoder layers
         (embeddings, vision tower, norm, head)."""
+        if layer == WHOLE_RANK:
+            return list(self.hf_tensors)
         names = list(self.hf_by_layer.get(layer, []))
         if layer in (0, self.num_layers - 1) or layer in self.global_feeders:
             names += self.hf_by_layer.get(None, [])
@@ -424,6 +438,12 @@ def _classify_build_error(error: Exception, quantization: str | None) -> WorkerE
     if quantization and ("kernel" in message.lower() or "quantiz" in message.lower()):
         extra = f" ({FP8_BLOCK_MISSING})" if "ScaledMM" in message or "Fp8" in message else ""
         return WorkerError("unsupported-quantization", message + extra)
+    if "meta tensor" in message:  # e.g. BLOOM's ALiBi slopes, computed and copied while it is constructed
+        return WorkerError(
+            "unsupported-architecture",
+            f"vLLM's model class computes tensors while it is constructed, so it cannot be built on the meta "
+            f"device, which streamctl's vllm-cpu planning needs (no weights allocated): {message}",
+        )
     return WorkerError("internal", f"building the model: {message}")
 
 
@@ -443,7 +463,9 @@ def _config_or_refusal(request: dict[str, Any]) -> Any:
             raise WorkerError("unsupported-quantization", message) from error
         if "divisible" in lowered:
             raise WorkerError("bad-parallel-size", message) from error
-        raise WorkerError("internal", f"vLLM's ModelConfig: {message}") from error
+        # Anything else vLLM's ModelConfig raised is its verdict on config.json (a field this vLLM reads and
+        # the file lacks, a value it rejects): the checkpoint's to fix, in vLLM's words.
+        raise WorkerError("bad-checkpoint", f"vLLM's ModelConfig does not accept config.json: {message}") from error
 
 
 def meta_tensors(vllm_config: Any) -> tuple[list[PlannedTensor], Any]:
@@ -472,7 +494,7 @@ def _decoder_layers_built(model: Any) -> int:
     lists = [
         module
         for name, module in model.named_modules()
-        if name.endswith("layers")
+        if (name.endswith("layers") or name.rsplit(".", 1)[-1] in _LAYER_LISTS)
         and isinstance(module, torch.nn.ModuleList)
         and not any(word in name for word in _NOT_DECODER)
     ]
@@ -613,17 +635,24 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
         model_config.verify_with_parallel_config(
             ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep)
         )
-        num_layers = int(model_config.hf_text_config.num_hidden_layers)
+        layerwise = bool(model_config.is_pp_supported)  # pp > 1 without it: vLLM refused just above
+        num_layers = int(getattr(model_config.hf_text_config, "num_hidden_layers", 0) or 0)
+        if layerwise and num_layers < 1:
+            raise WorkerError("bad-checkpoint", "config.json gives no num_hidden_layers for the model's layers")
         with pp_partition(partition):
             stage_layers = [get_pp_indices(num_layers, rank, pp) for rank in range(pp)]
     except Exception as error:
         raise WorkerError("bad-parallel-size", one_line(error)) from error
     plan = Plan(request, tp, pp, ep, partition, num_layers, stage_layers, [], hf_tensors, quantization)
+    plan.layerwise = layerwise
     used: set[str] = set()
     for pp_rank in range(pp):
         tensors, stage_shims = plan_stage_names(request, plan, pp_rank, quantization)
         used |= stage_shims
-        layer_of = producing_layers(request, plan, pp_rank, tensors)
+        if layerwise:
+            layer_of = producing_layers(request, plan, pp_rank, tensors)
+        else:
+            layer_of = dict.fromkeys((t.name for t in tensors), WHOLE_RANK)
         plan.stages.append({t.name: PlannedTensor(t.name, t.dtype, t.shape, layer_of[t.name]) for t in tensors})
         plan.global_feeders |= {layer_of[t.name] for t in tensors if hf_layer_index(t.name) is None}
     gc.collect()
@@ -644,6 +673,7 @@ def _plan_reply(plan: Plan, config: Any, quantization: str | None, shims: list[s
         "architecture": architecture,
         "served_dtype": served,
         "num_layers": plan.num_layers,
+        "layerwise": plan.layerwise,
         "quantization": quantization,
         "shims": shims,
         "stages": [
@@ -776,7 +806,11 @@ def load_pseudo_stage(
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
-    with pp_partition(",".join(["1"] * plan.num_layers)), emulate_rank(plan.tp, tp_rank, plan.num_layers, layer):
+    if layer == WHOLE_RANK:  # the real (only) stage, every layer at once
+        stage = pp_partition(plan.partition), emulate_rank(plan.tp, tp_rank, plan.pp, 0)
+    else:
+        stage = pp_partition(",".join(["1"] * plan.num_layers)), emulate_rank(plan.tp, tp_rank, plan.num_layers, layer)
+    with stage[0], stage[1]:
         config = make_vllm_config(plan.request)
         model = build_model(config)
         saved = _poison(model)
@@ -899,7 +933,8 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
                 raise WorkerError("protocol", f"write: pp_rank {pp_rank} is not a stage of the plan")
             for part in stage.get("parts", []):
                 for layer, names in _layer_groups(plan, pp_rank, part):
-                    channel.log(f"stage {pp_rank}: layer {layer + 1} of {plan.num_layers}")
+                    where = "every layer at once" if layer == WHOLE_RANK else f"layer {layer + 1} of {plan.num_layers}"
+                    channel.log(f"stage {pp_rank}: {where}")
                     hf = layer_hf_tensors(channel, plan, layer, cache)
                     for tp_rank in range(plan.tp):
                         state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf)

@@ -32,7 +32,8 @@ worker -> parent ("type"):
   read     {"type": "read", "file", "offset", "length"}: the parent answers with one "data" frame at once.
   log      {"type": "log", "message"}: one line for the user (progress), not an error.
   plan     {"type": "plan", "vllm_version", "torch_version", "architecture" (vLLM's class), "served_dtype"
-            ("BF16", ...), "num_layers", "quantization" (method or null), "shims": [build-only stand-ins used],
+            ("BF16", ...), "num_layers", "layerwise" (false: no pipeline stages, each rank built whole),
+            "quantization" (method or null), "shims": [build-only stand-ins used],
             "stages": [{"pp_rank", "layers": [first, end), "tensors": [{"name", "dtype", "shape", "layer"}]}]}
            each stage's tensors in state-dict order after ShardedStateLoader._filter_subtensors, the same for
            every TP rank of the stage; "layer" is the pseudo stage that produces the tensor (a decoder layer
