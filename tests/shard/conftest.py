@@ -28,6 +28,7 @@ TINY_KINDS = (
     *("llama", "mistral", "qwen2", "qwen3"),  # the offline table's four, bf16
     *("mixtral", "qwen3-moe", "qwen2-moe", "deepseek-v2", "gemma2", "gemma3-text", "gemma3-mm", "phi3", "qwen2-vl"),
     *("gpt2", "falcon", "gpt-oss", "starcoder2", "gemma", "gptneox", "bloom"),
+    *("deepseek-v3", "olmoe", "phimoe", "granitemoe", "mamba", "jamba", "qwen3-next", "qwen2_5-vl"),
     *("llama-wide", "mixtral-odd"),
 )
 FP8_BLOCK = 128  # DeepSeek-V3's [128, 128] blocks: a shape vLLM's CPU FP8 block kernel would accept

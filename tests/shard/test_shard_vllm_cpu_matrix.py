@@ -75,6 +75,11 @@ CASES = [
     Case("gpt-oss", 2),
     Case("gpt-oss", 2, ep=True),
     *(Case(kind, 2) for kind in ("starcoder2", "gemma", "gptneox")),
+    Case("deepseek-v3", 2),
+    Case("deepseek-v3", 2, ep=True),
+    *(Case(kind, 2) for kind in ("olmoe", "phimoe", "granitemoe")),
+    *(Case(kind, 2) for kind in ("mamba", "jamba", "qwen3-next")),  # state-space and linear-attention layers
+    Case("qwen2_5-vl", 2),
     Case("mixtral-ct", 2),  # compressed-tensors FP8: F8_E4M3 weights + per-channel scales
     Case("mixtral-ct", 2, ep=True),
     # One worker builds and frees hundreds of models: nothing of an earlier one may leak into a later one

@@ -40,6 +40,12 @@ def _unknown_architecture(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps({**config, "architectures": ["FooForCausalLM"]}))
 
 
+def _greedy_routing(folder: Path) -> None:
+    """DeepSeek-V3's weights with a config.json whose routing builds no score-correction bias."""
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "topk_method": "greedy"}))
+
+
 def _truncate(folder: Path) -> None:
     weights = folder / "model.safetensors"
     data = weights.read_bytes()
@@ -65,6 +71,7 @@ REFUSALS = {
     # rank files must hold the same names and shapes on every TP rank (one plan per stage)
     "ep-experts": Refusal("mixtral-odd", ("-tp", "2", "--enable-expert-parallel")),
     "meta-build": Refusal("bloom", ("-tp", "2")),
+    "config-mismatch": Refusal("deepseek-v3", ("-tp", "2"), _greedy_routing),
     "truncated": Refusal("mixtral", ("-tp", "2"), _truncate),
     "corrupt-header": Refusal("mixtral", ("-tp", "2"), _corrupt_header),
 }
@@ -130,6 +137,13 @@ def test_fp8_block_quantized_is_refused_naming_what_the_cpu_lacks(ran: dict[str,
 
 def test_an_architecture_vllm_does_not_know(ran: dict[str, Ran]) -> None:
     _refused(ran["unknown-architecture"], "FooForCausalLM", "not supported")
+
+
+def test_a_config_that_does_not_match_the_weights(ran: dict[str, Ran]) -> None:
+    """vLLM's model has no parameter for a checkpoint tensor (its load_weights' KeyError): named, with the hint."""
+    _refused(
+        ran["config-mismatch"], "no parameter for the checkpoint's tensor", "e_score_correction_bias", "config.json"
+    )
 
 
 def test_a_model_class_that_cannot_be_built_on_the_meta_device(ran: dict[str, Ran]) -> None:

@@ -28,6 +28,7 @@ def configs() -> dict[str, Any]:
     from transformers import (
         BloomConfig,
         DeepseekV2Config,
+        DeepseekV3Config,
         FalconConfig,
         Gemma2Config,
         Gemma3Config,
@@ -36,15 +37,22 @@ def configs() -> dict[str, Any]:
         GPT2Config,
         GPTNeoXConfig,
         GptOssConfig,
+        GraniteMoeConfig,
+        JambaConfig,
         LlamaConfig,
+        MambaConfig,
         MistralConfig,
         MixtralConfig,
+        OlmoeConfig,
         Phi3Config,
+        PhimoeConfig,
+        Qwen2_5_VLConfig,
         Qwen2Config,
         Qwen2MoeConfig,
         Qwen2VLConfig,
         Qwen3Config,
         Qwen3MoeConfig,
+        Qwen3NextConfig,
         SiglipVisionConfig,
         Starcoder2Config,
     )
@@ -143,6 +151,72 @@ def configs() -> dict[str, Any]:
             vocab_size=128,
             max_position_embeddings=256,
         ),
+        # MLA with a compressed query, routing with a score-correction bias (noaux_tc), shared experts
+        "deepseek-v3": lambda: DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=16,
+            v_head_dim=16,
+            n_group=1,
+            topk_group=1,
+            topk_method="noaux_tc",
+        ),
+        "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
+        "phimoe": lambda: PhimoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "granitemoe": lambda: GraniteMoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        # state-space layers: Mamba alone, and Jamba's attention / Mamba / expert layers interleaved
+        "mamba": lambda: MambaConfig(hidden_size=64, num_hidden_layers=3, vocab_size=128, state_size=8, expand=2),
+        "jamba": lambda: JambaConfig(
+            **COMMON,
+            num_experts=2,
+            num_experts_per_tok=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_expand=2,
+        ),
+        # linear attention (gated delta net) and full attention layers, experts with a shared one
+        "qwen3-next": lambda: Qwen3NextConfig(
+            **{**COMMON, "num_hidden_layers": 4},
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+        ),
+        "qwen2_5-vl": lambda: Qwen2_5_VLConfig(
+            text_config={**COMMON, "vocab_size": 160, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
+            vision_config={
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "temporal_patch_size": 2,
+                "in_channels": 3,
+                "fullatt_block_indexes": [1],
+                "window_size": 56,
+            },
+            image_token_id=151,
+            video_token_id=152,
+            vision_start_token_id=153,
+            vision_end_token_id=154,
+        ),
         # vLLM's BLOOM computes its ALiBi slopes while it is constructed: no meta-device build (a refusal)
         "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=3, vocab_size=128),
         # experts that TP 4 cannot slice (intermediate 66) and EP 2 cannot split evenly (3 experts)
@@ -183,14 +257,22 @@ def write(root: str, kind: str) -> str:
     import os
 
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3ForConditionalGeneration, Qwen2VLForConditionalGeneration
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3ForConditionalGeneration,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
+    )
 
     torch.manual_seed(0)
     config = configs()[kind]()
     dtype = torch.float32 if kind.endswith("-deep") else torch.bfloat16
-    cls = {"gemma3-mm": Gemma3ForConditionalGeneration, "qwen2-vl": Qwen2VLForConditionalGeneration}.get(
-        kind, AutoModelForCausalLM
-    )
+    classes = {
+        "gemma3-mm": Gemma3ForConditionalGeneration,
+        "qwen2-vl": Qwen2VLForConditionalGeneration,
+        "qwen2_5-vl": Qwen2_5_VLForConditionalGeneration,
+    }
+    cls = classes.get(kind, AutoModelForCausalLM)
     model = cls._from_config(config, dtype=dtype) if hasattr(cls, "_from_config") else cls.from_config(config)
     model = model.to(dtype)
     out = os.path.join(root, kind)

@@ -817,6 +817,13 @@ def load_pseudo_stage(
         try:
             with set_current_vllm_config(config), torch.no_grad():
                 model.load_weights(iter(hf.items()))
+        except KeyError as error:  # vLLM's `params_dict[name]` on a checkpoint tensor its model did not build
+            raise WorkerError(
+                "bad-checkpoint",
+                f"layer {layer}, TP rank {tp_rank}: vLLM's model has no parameter for the checkpoint's tensor "
+                f"{error.args[0] if error.args else error!r} (a config.json field decides which parameters exist: "
+                "does it match the weights?)",
+            ) from error
         except Exception as error:
             raise WorkerError("bad-checkpoint", f"layer {layer}, TP rank {tp_rank}: {one_line(error)}") from error
     state = ShardedStateLoader._filter_subtensors(model.state_dict())
