@@ -557,19 +557,24 @@ def test_the_worker_asks_for_huge_pages_unless_told_otherwise(
 
 @requires_vllm_oracle
 def test_a_published_model_without_pipeline_stages_is_built_a_rank_at_a_time(
-    tmp_path: Path, worker: VllmWorker
+    tmp_path: Path, worker: VllmWorker, s3_root: str
 ) -> None:
     """all-MiniLM-L6-v2 as published (sentence-transformers' BertModel, 1_Pooling/, modules.json): vLLM's
     BertModel has no pipeline stages, so there is no pseudo stage of one layer; each rank is built and loaded
-    whole, and the run says so. TP 1 and TP 2 land with the serving files beside them, and vLLM judges every
-    rank (its own HF load against the runai_streamer_sharded load, bit for bit). PP 2 is vLLM's own refusal
-    (exit 2) before anything is written."""
-    source = open_location(str(minilm_folder()))
+    whole, and the run says so. TP 1 from the folder and TP 2 from a bucket (the worker reads every tensor
+    through the parent) land with the serving files beside them, and vLLM judges every rank (its own HF load
+    against the runai_streamer_sharded load, bit for bit). PP 2 is vLLM's own refusal (exit 2) before anything
+    is written."""
+    folder = minilm_folder()
+    bucket = open_location(f"{s3_root}/minilm")
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        bucket.store.put(bucket.key(path.relative_to(folder).as_posix()), path.read_bytes(), {})
+    source = open_location(str(folder))
     jobs = []
-    for tp in (1, 2):
+    for tp, run_source in ((1, source), (2, bucket)):
         progress = RecordingProgress()
         dest = tmp_path / f"tp{tp}"
-        result = shard_checkpoint(source, open_location(str(dest)), vllm_cpu(tp), progress, worker=worker)
+        result = shard_checkpoint(run_source, open_location(str(dest)), vllm_cpu(tp), progress, worker=worker)
         assert result.ok and result.loader_check is not None and result.loader_check.checked == tp
         assert any("no pipeline stages, so each rank is built whole" in line for line in progress.lines)
         manifest = json.loads((dest / SHARD_MANIFEST_NAME).read_text())
