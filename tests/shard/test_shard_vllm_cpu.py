@@ -371,6 +371,8 @@ for line in sys.stdin.buffer:
             continue
         tensors = [{"name": "a.weight", "dtype": "BF16", "shape": [64], "layer": 0},
                    {"name": "b.weight", "dtype": "BF16", "shape": [64], "layer": 0}]
+        if mode == "rank-shapes":  # rank 0's shape must be the tensor's own
+            tensors[0]["rank_shapes"] = [[32]]
         send({"type": "plan", "vllm_version": "0.33.0", "torch_version": "x", "architecture": "LlamaForCausalLM",
               "served_dtype": "BF16", "num_layers": 1, "quantization": None, "shims": [],
               "stages": [{"pp_rank": 0, "layers": [0, 1], "tensors": tensors}]})
@@ -590,3 +592,20 @@ def test_a_published_model_without_pipeline_stages_is_built_a_rank_at_a_time(
         shard_checkpoint(source, open_location(str(tmp_path / "pp2")), options, worker=worker)
     assert "Pipeline parallelism is not supported for this model" in raised.value.message
     assert not (tmp_path / "pp2").exists()
+
+
+def test_a_plan_with_bad_per_rank_shapes_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per-rank shapes (uneven expert parallelism) are checked like the rest of the plan: a worker whose
+    "rank_shapes" do not fit the tensor is an EngineFailed naming them, and DEST stays empty."""
+    write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
+    dest = tmp_path / "out"
+    hostile = hostile_worker(tmp_path, "rank-shapes", monkeypatch)
+    try:
+        with pytest.raises(EngineFailed) as raised:
+            shard_checkpoint(open_location(str(tmp_path / "hf")), open_location(str(dest)), vllm_cpu(1), worker=hostile)
+        assert "bad per-rank shapes" in raised.value.message and "a.weight" in raised.value.message
+    finally:
+        hostile.close()
+    assert not dest.exists() or not any(dest.rglob("*"))

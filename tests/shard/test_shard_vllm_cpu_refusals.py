@@ -1,6 +1,6 @@
 """`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard (issue 12): an FP8
 block-quantized checkpoint (vLLM's CPU platform has no kernel for it), an architecture vLLM does not know, a
-TP that does not divide the heads or the experts, an EP that does not divide the experts, a truncated shard,
+TP that does not divide the heads or the experts, a truncated shard,
 a corrupt header. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),
 no traceback, nothing written to DEST. Tiny checkpoints are written by transformers itself, once per module;
 every CLI run is a process of its own with its own vLLM worker, so they run two at a time, once, in the
@@ -67,9 +67,6 @@ REFUSALS = {
     "tp-heads": Refusal("mixtral", ("-tp", "3")),
     # mixtral-odd's experts have intermediate size 66: TP 4 cannot slice them (its 4 heads it can)
     "tp-experts": Refusal("mixtral-odd", ("-tp", "4")),
-    # 3 experts over EP 2: vLLM itself gives rank 0 two and rank 1 one (determine_expert_map), but a stage's
-    # rank files must hold the same names and shapes on every TP rank (one plan per stage)
-    "ep-experts": Refusal("mixtral-odd", ("-tp", "2", "--enable-expert-parallel")),
     "meta-build": Refusal("bloom", ("-tp", "2")),
     "config-mismatch": Refusal("deepseek-v3", ("-tp", "2"), _greedy_routing),
     "truncated": Refusal("mixtral", ("-tp", "2"), _truncate),
@@ -158,10 +155,6 @@ def test_a_tp_that_does_not_divide_the_heads(ran: dict[str, Ran]) -> None:
 
 def test_a_tp_that_does_not_divide_the_experts(ran: dict[str, Ran]) -> None:
     _refused(ran["tp-experts"], "66", "4")
-
-
-def test_an_ep_that_does_not_divide_the_experts(ran: dict[str, Ran]) -> None:
-    _refused(ran["ep-experts"], "3", "expert")
 
 
 def test_a_truncated_shard(ran: dict[str, Ran]) -> None:

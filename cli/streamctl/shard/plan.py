@@ -8,7 +8,7 @@ the pure layout rules (pipeline stages, each rank's rows and columns, parts, fil
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
@@ -155,13 +155,21 @@ class Segment:
 
 @dataclass(frozen=True)
 class PlannedTensor:
-    """One tensor of every TP rank of a stage (same name, shape and dtype on each rank)."""
+    """One tensor of every TP rank of a stage (same name and dtype on each rank; the same shape, except where
+    `rank_shapes` gives every rank's: vLLM's expert parallelism over experts it does not divide)."""
 
     name: str
     split: Split
     sources: tuple[SourceTensor, ...]
     dtype: str
     shape: tuple[int, ...]
+    rank_shapes: tuple[tuple[int, ...], ...] = ()  # empty: `shape` on every rank
+
+    def on_rank(self, tp_rank: int) -> PlannedTensor:
+        """This tensor as TP rank `tp_rank`'s file holds it."""
+        if not self.rank_shapes or self.rank_shapes[tp_rank] == self.shape:
+            return self
+        return replace(self, shape=self.rank_shapes[tp_rank], rank_shapes=())
 
     @property
     def nbytes(self) -> int:
@@ -369,13 +377,20 @@ def stage_files(plan: ShardPlan, stage: StagePlan) -> list[PlannedFile]:
     files = []
     for part_index, part in enumerate(stage.parts):
         ordered = tuple(safetensors_order(part))
-        header, _ = encode_safetensors_header(
-            [(tensor.name, tensor.dtype, tensor.shape, tensor.nbytes) for tensor in ordered]
-        )
+        shared = _file_header(ordered)
         for tp_rank in range(plan.tensor_parallel_size):
             name = format_name(plan.pattern, tp_rank=tp_rank, pp_rank=stage.pp_rank, part=part_index)
-            files.append(PlannedFile(name, stage.pp_rank, tp_rank, part_index, ordered, header))
+            own = tuple(tensor.on_rank(tp_rank) for tensor in ordered)
+            header = shared if own == ordered else _file_header(own)
+            files.append(PlannedFile(name, stage.pp_rank, tp_rank, part_index, own, header))
     return files
+
+
+def _file_header(tensors: Sequence[PlannedTensor]) -> bytes:
+    header, _ = encode_safetensors_header(
+        [(tensor.name, tensor.dtype, tensor.shape, tensor.nbytes) for tensor in tensors]
+    )
+    return header
 
 
 def skipped_files(plan: ShardPlan) -> frozenset[str]:

@@ -234,27 +234,42 @@ def _reply_field(reply: Mapping[str, Any], key: str, kind: type | tuple[type, ..
     return value
 
 
-def _planned_tensor(entry: Any) -> PlannedTensor:
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in value
+    )
+
+
+def _planned_tensor(entry: Any, tp: int) -> PlannedTensor:
+    """A plan entry; "rank_shapes" (every TP rank's shape, rank 0's first) where the ranks differ."""
     if not isinstance(entry, dict):
         raise EngineFailed(f"the vLLM worker's plan has a bad tensor entry: {entry!r}")
-    name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
-    if (
-        not isinstance(name, str)
-        or dtype not in DTYPE_BITS
-        or not isinstance(shape, list)
-        or not all(isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in shape)
-    ):
+    name, dtype, shape, rank_shapes = (
+        entry.get("name"),
+        entry.get("dtype"),
+        entry.get("shape"),
+        entry.get("rank_shapes"),
+    )
+    if not isinstance(name, str) or dtype not in DTYPE_BITS or not isinstance(shape, list) or not _is_shape(shape):
         raise EngineFailed(f"the vLLM worker's plan has a bad tensor entry: {entry!r}")
-    return PlannedTensor(name, Split.RANK_MODEL, (), str(dtype), tuple(shape))
+    if rank_shapes is not None and not (
+        isinstance(rank_shapes, list)
+        and len(rank_shapes) == tp
+        and all(_is_shape(item) and len(item) == len(shape) for item in rank_shapes)
+        and rank_shapes[0] == shape
+    ):
+        raise EngineFailed(f"the vLLM worker's plan has bad per-rank shapes: {entry!r}")
+    shapes = tuple(tuple(item) for item in rank_shapes) if rank_shapes else ()
+    return PlannedTensor(name, Split.RANK_MODEL, (), str(dtype), tuple(shape), shapes)
 
 
-def _stage(entry: Any, pp_rank: int, max_part_size: int) -> StagePlan:
+def _stage(entry: Any, pp_rank: int, max_part_size: int, tp: int) -> StagePlan:
     if not isinstance(entry, dict) or entry.get("pp_rank") != pp_rank:
         raise EngineFailed(f"the vLLM worker's plan lacks pipeline stage {pp_rank}")
     layers = entry.get("layers")
     if not (isinstance(layers, list) and len(layers) == 2 and all(isinstance(layer, int) for layer in layers)):
         raise EngineFailed(f"the vLLM worker's plan has bad layers for stage {pp_rank}: {layers!r}")
-    tensors = [_planned_tensor(item) for item in _reply_field(entry, "tensors", list)]
+    tensors = [_planned_tensor(item, tp) for item in _reply_field(entry, "tensors", list)]
     names = [tensor.name for tensor in tensors]
     if len(set(names)) != len(names):
         raise EngineFailed(f"the vLLM worker's plan names a tensor twice in stage {pp_rank}")
@@ -295,7 +310,10 @@ def plan_from_reply(
         version,
         row=LAYOUT_ROWS[0],  # unused: vLLM's model code decided the layout
         dims=ModelDims(architecture, 0, 0, 0, 0, 0, 0, num_layers, False),
-        stages=tuple(_stage(entry, index, options.max_part_size) for index, entry in enumerate(stages)),
+        stages=tuple(
+            _stage(entry, index, options.max_part_size, options.tensor_parallel_size)
+            for index, entry in enumerate(stages)
+        ),
         serving_files=read.serving,
         stale=(),
         tied_lm_head=None,

@@ -357,12 +357,18 @@ class Plan:
     sent: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)  # (pp, tp) -> name -> sha256
     global_feeders: set[int] = field(default_factory=set)  # pseudo stages fed the non-layer HF tensors too
     layerwise: bool = True  # False: the model has no pipeline stages, every rank is built whole (WHOLE_RANK)
+    # (pp_rank, name) -> its shape on each TP rank, where the ranks differ (EP over experts it does not divide)
+    rank_shapes: dict[tuple[int, str], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     hf_by_layer: dict[int | None, list[str]] = field(default_factory=dict)  # HF names by decoder layer
 
     def __post_init__(self) -> None:
         for name in self.hf_tensors:
             self.hf_by_layer.setdefault(hf_layer_index(name), []).append(name)
+
+    def shape_on(self, pp_rank: int, tp_rank: int, tensor: PlannedTensor) -> tuple[int, ...]:
+        shapes = self.rank_shapes.get((pp_rank, tensor.name))
+        return shapes[tp_rank] if shapes else tensor.shape
 
     def hf_names_of_layer(self, layer: int) -> list[str]:
         """The HF tensors pseudo stage `layer` is fed: its decoder layer's, and on the first and last pseudo
@@ -517,9 +523,11 @@ def _describe_difference(first: list[PlannedTensor], other: list[PlannedTensor])
 def plan_stage_names(
     request: dict[str, Any], plan: Plan, pp_rank: int, quantization: str | None
 ) -> tuple[list[PlannedTensor], set[str]]:
-    """Meta builds of every TP rank of real stage pp_rank: one list (the same for each rank, else refused),
-    and the build-only shims the builds looked up."""
-    first: list[PlannedTensor] = []
+    """Meta builds of every TP rank of real stage pp_rank: one list (TP rank 0's), and the build-only shims
+    the builds looked up. Every rank must hold the same names and dtypes in the same order; shapes may differ
+    only under expert parallelism (vLLM gives the first ranks one expert more when EP does not divide the
+    experts, determine_expert_map), and then every rank's shape is recorded in plan.rank_shapes."""
+    ranks: list[list[PlannedTensor]] = []
     shims: set[str] = set()
     for tp_rank in range(plan.tp):
         with pp_partition(plan.partition), emulate_rank(plan.tp, tp_rank, plan.pp, pp_rank):
@@ -529,25 +537,19 @@ def plan_stage_names(
                 raise _classify_build_error(error, quantization) from error
         shims.update(vllm_shims.used_by(model))
         del model
-        if tp_rank == 0:
-            first = tensors
-        elif tensors != first and plan.ep and [t.name for t in tensors] == [t.name for t in first]:
-            # vLLM gives the first ranks one expert more when EP does not divide the experts; vLLM's
-            # sharded-state files could hold that, streamctl's planner writes equal-shaped ranks only.
-            raise WorkerError(
-                "bad-parallel-size",
-                f"expert parallelism over {plan.tp} ranks does not divide this model's experts, so vLLM gives "
-                f"the ranks different numbers of them ({_describe_difference(first, tensors)}); streamctl writes "
-                f"ranks of equal shapes only: use a TP size that divides the number of experts, or no "
-                f"--enable-expert-parallel",
-            )
-        elif tensors != first:
+        same_names = [(t.name, t.dtype) for t in tensors] == [(t.name, t.dtype) for t in ranks[0]] if ranks else True
+        if ranks and (not same_names or (tensors != ranks[0] and not plan.ep)):
             raise WorkerError(
                 "internal",
                 f"stage {pp_rank}: TP rank {tp_rank}'s tensors differ from TP rank 0's: "
-                + _describe_difference(first, tensors),
+                + _describe_difference(ranks[0], tensors),
             )
-    return first, shims
+        ranks.append(tensors)
+    for index, tensor in enumerate(ranks[0]):
+        shapes = tuple(rank[index].shape for rank in ranks)
+        if len(set(shapes)) > 1:
+            plan.rank_shapes[(pp_rank, tensor.name)] = shapes
+    return ranks[0], shims
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:
@@ -660,6 +662,14 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
     return plan
 
 
+def _tensor_entry(plan: Plan, pp_rank: int, tensor: PlannedTensor) -> dict[str, Any]:
+    entry = {"name": tensor.name, "dtype": tensor.dtype, "shape": list(tensor.shape), "layer": tensor.layer}
+    shapes = plan.rank_shapes.get((pp_rank, tensor.name))
+    if shapes:
+        entry["rank_shapes"] = [list(shape) for shape in shapes]
+    return entry
+
+
 def _plan_reply(plan: Plan, config: Any, quantization: str | None, shims: list[str]) -> dict[str, Any]:
     import torch
     import vllm
@@ -680,9 +690,7 @@ def _plan_reply(plan: Plan, config: Any, quantization: str | None, shims: list[s
             {
                 "pp_rank": pp_rank,
                 "layers": list(plan.stage_layers[pp_rank]),
-                "tensors": [
-                    {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "layer": t.layer} for t in stage.values()
-                ],
+                "tensors": [_tensor_entry(plan, pp_rank, t) for t in stage.values()],
             }
             for pp_rank, stage in enumerate(plan.stages)
         ],
@@ -888,8 +896,9 @@ def send_group(
         if tensor is None:
             raise WorkerError("internal", f"pseudo stage {want.layer} (TP rank {tp_rank}) holds no {name}")
         got = (TORCH_TO_SAFETENSORS.get(str(tensor.dtype).removeprefix("torch.")), tuple(tensor.shape))
-        if got != (want.dtype, want.shape):
-            raise WorkerError("internal", f"{name}: built {got}, planned {(want.dtype, want.shape)}")
+        shape = plan.shape_on(pp_rank, tp_rank, want)
+        if got != (want.dtype, shape):
+            raise WorkerError("internal", f"{name}: built {got}, planned {(want.dtype, shape)}")
         if has_nan(tensor):
             if name not in saved:
                 raise WorkerError(
@@ -906,7 +915,7 @@ def send_group(
             "tp_rank": tp_rank,
             "name": name,
             "dtype": want.dtype,
-            "shape": list(want.shape),
+            "shape": list(shape),
             "nbytes": raw.nbytes,
             "sha256": None,  # the writer thread hashes the very bytes it writes
         }

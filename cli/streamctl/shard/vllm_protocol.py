@@ -34,7 +34,9 @@ worker -> parent ("type"):
   plan     {"type": "plan", "vllm_version", "torch_version", "architecture" (vLLM's class), "served_dtype"
             ("BF16", ...), "num_layers", "layerwise" (false: no pipeline stages, each rank built whole),
             "quantization" (method or null), "shims": [build-only stand-ins used],
-            "stages": [{"pp_rank", "layers": [first, end), "tensors": [{"name", "dtype", "shape", "layer"}]}]}
+            "stages": [{"pp_rank", "layers": [first, end), "tensors": [{"name", "dtype", "shape", "layer",
+            "rank_shapes" (only where the TP ranks differ: every rank's shape, rank 0 first; expert parallelism
+            over experts it does not divide)}]}]}
            each stage's tensors in state-dict order after ShardedStateLoader._filter_subtensors, the same for
            every TP rank of the stage; "layer" is the pseudo stage that produces the tensor (a decoder layer
            index, or the first/last layer for embeddings, vision tower, norm and head).
