@@ -84,11 +84,25 @@ def test_unsupported_inputs_exit_2_naming_the_vllm_engine(tmp_path: Path) -> Non
     (meta / "original").mkdir(parents=True)
     (meta / "original" / "consolidated.00.pth").write_bytes(b"x")
     (meta / "original" / "params.json").write_text("{}")
-    for folder, message in ((mistral, "Mistral-format"), (meta, "original/")):
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text(json.dumps(KINDS["llama-gqa"]))
+    (pickled / "pytorch_model.bin").write_bytes(b"x")
+    (pickled / "training_args.bin").write_bytes(b"x")  # a trainer's state, not weights: never the one named
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "config.json").write_text(json.dumps(KINDS["llama-gqa"]))
+    (gguf / "model-Q4_K_M.gguf").write_bytes(b"x")
+    # Every engine reads the same weight files: the hint points at the weights, not at another engine.
+    for folder, message, hint in (
+        (mistral, "Mistral-format", "Hugging Face format weights"),
+        (meta, "original/", "Hugging Face format weights"),
+        (pickled, "PyTorch pickle weights (pytorch_model.bin)", "save_pretrained writes model.safetensors"),
+        (gguf, "GGUF export (model-Q4_K_M.gguf)", "read safetensors only"),
+    ):
         result = cli_shard(folder, tmp_path / "unused", "-tp", "2")
-        assert result.exit_code == 2 and message in result.stderr and "--engine vllm-cpu" in result.stderr, (
-            result.stderr
-        )
+        assert result.exit_code == 2 and message in result.stderr and hint in result.stderr, result.stderr
+        assert "--engine vllm-cpu" not in result.stderr, result.stderr
 
 
 def test_bad_options_exit_2(tmp_path: Path) -> None:

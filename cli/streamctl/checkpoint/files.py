@@ -65,6 +65,18 @@ OTHER_WEIGHT_FORMATS = {
 }
 
 
+TRAINER_STATE_PREFIXES = ("training_args", "optimizer", "scheduler", "rng_state")  # .bin/.pt, not weights
+
+
+def other_weight_format(name: str) -> str | None:
+    """What a weights file in another format than safetensors is (OTHER_WEIGHT_FORMATS), None for anything
+    else (a trainer's saved state is not weights)."""
+    base = name.rsplit("/", 1)[-1]
+    if base.startswith(TRAINER_STATE_PREFIXES):
+        return None
+    return next((what for suffix, what in OTHER_WEIGHT_FORMATS.items() if base.endswith(suffix)), None)
+
+
 # Configs whose contents name other files the model needs: sentence-transformers modules, custom code
 # (`auto_map`, also for tokenizers and processors), tokenizer side files. Read before choosing files.
 REFERENCING_CONFIGS = (

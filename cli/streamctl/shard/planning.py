@@ -11,6 +11,7 @@ from streamctl.checkpoint.files import (
     CONFIG_NAME,
     MAX_CONFIG_BYTES,
     MISTRAL_PARAMS_NAME,
+    other_weight_format,
     read_config_references,
     select_serving_files,
     skipped_because,
@@ -223,18 +224,35 @@ def weight_files(source: Location, listing: SourceListing) -> list[str]:
     files = sorted(name for name in top if name.endswith(".safetensors") and not name.startswith("consolidated"))
     if files:
         return files
+    # Every engine reads these same files, so the hints point at the weights, not at another engine.
     if (
         any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top)
         or MISTRAL_PARAMS_NAME in top
     ):
         raise UsageError(
-            f"{source.url} holds Mistral-format consolidated weights, not Hugging Face safetensors", hint=_engine_hint()
+            f"{source.url} holds Mistral-format consolidated weights, not Hugging Face safetensors",
+            hint=_HF_FORMAT_HINT,
         )
     if any(name.startswith("original/") for name in listing.sizes):
         raise UsageError(
-            f"{source.url} holds only Meta original/ weights, not Hugging Face safetensors", hint=_engine_hint()
+            f"{source.url} holds only Meta original/ weights, not Hugging Face safetensors", hint=_HF_FORMAT_HINT
+        )
+    others = sorted((name, what) for name in top if (what := other_weight_format(name)) is not None)
+    if others:
+        name, what = others[0]
+        raise UsageError(
+            f"{source.url} holds {what.split(' (')[0]} ({name}), not safetensors",
+            hint="vLLM's sharded state and the Run:ai streamer read safetensors only: take the repo's safetensors "
+            "weights, or convert these first (PyTorch or TensorFlow weights: transformers' from_pretrained, then "
+            "save_pretrained writes model.safetensors)",
         )
     raise NotFoundError(f"no .safetensors files under {source.url}")
+
+
+_HF_FORMAT_HINT = (
+    "shard reads Hugging Face safetensors (config.json with model*.safetensors): take the repo's Hugging Face "
+    "format weights, or convert these with transformers' conversion script for the model first"
+)
 
 
 def read_source_tensors(source: Location, listing: SourceListing, files: Sequence[str]) -> dict[str, SourceTensor]:
