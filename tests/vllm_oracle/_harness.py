@@ -126,11 +126,12 @@ def emulate_rank(tp_size: int, tp_rank: int, pp_size: int = 1, pp_rank: int = 0)
     # The EP group holds the TP group's ranks when data and context parallel are 1 (gpt-oss slices its
     # experts by get_ep_group() itself).
     ep = getattr(parallel_state, "_EP", None)
-    groups = (tp, pp) if ep is None else (tp, pp, ep)
+    tp_like = (tp,) if ep is None else (tp, ep)
+    groups = (*tp_like, pp)
     fields = ("world_size", "rank_in_group", "ranks", "rank")
     saved = {id(group): {name: getattr(group, name) for name in fields} for group in groups}
     global_rank = pp_rank * tp_size + tp_rank  # vLLM's layout: TP ranks are adjacent, PP strides over them
-    for group in (tp,) if ep is None else (tp, ep):
+    for group in tp_like:
         group.world_size, group.rank_in_group, group.rank = tp_size, tp_rank, global_rank
         group.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
     pp.world_size, pp.rank_in_group, pp.rank = pp_size, pp_rank, global_rank

@@ -22,6 +22,40 @@ COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 MOE: dict[str, Any] = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# DeepSeek-V2/V3: MLA (a compressed KV, a query compressed or not), a dense first layer, shared + routed experts
+DEEPSEEK: dict[str, Any] = {
+    **COMMON,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+# Qwen2-VL / Qwen2.5-VL: the M-RoPE text model and the special tokens both take
+QWEN_VL_TEXT: dict[str, Any] = {
+    **COMMON,
+    "vocab_size": 160,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
+}
+QWEN_VL_TOKENS: dict[str, Any] = {
+    "image_token_id": 151,
+    "video_token_id": 152,
+    "vision_start_token_id": 153,
+    "vision_end_token_id": 154,
+}
+QWEN_VL_PATCHES: dict[str, Any] = {
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "in_channels": 3,
+}
 
 
 def configs() -> dict[str, Any]:
@@ -66,22 +100,7 @@ def configs() -> dict[str, Any]:
         "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, head_dim=16, decoder_sparse_step=1),
         "qwen2-moe": lambda: Qwen2MoeConfig(**COMMON, **MOE, shared_expert_intermediate_size=64),
-        "deepseek-v2": lambda: DeepseekV2Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-            kv_lora_rank=32,
-            q_lora_rank=None,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
-            v_head_dim=16,
-            n_group=1,
-            topk_group=1,
-            topk_method="greedy",
-        ),
+        "deepseek-v2": lambda: DeepseekV2Config(**DEEPSEEK, q_lora_rank=None, topk_method="greedy"),
         "gemma2": lambda: Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16),
         "gemma3-text": lambda: Gemma3TextConfig(
             **{**COMMON, "tie_word_embeddings": True}, head_dim=16, sliding_window_pattern=2
@@ -106,26 +125,16 @@ def configs() -> dict[str, Any]:
             **{**COMMON, "num_key_value_heads": 4}, pad_token_id=0, bos_token_id=1, eos_token_id=2
         ),
         "qwen2-vl": lambda: Qwen2VLConfig(
-            text_config={
-                **COMMON,
-                "vocab_size": 160,
-                "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]},
-            },
+            text_config=QWEN_VL_TEXT,
             vision_config={
                 "depth": 2,
                 "embed_dim": 32,
                 "hidden_size": 64,
                 "num_heads": 2,
                 "mlp_ratio": 2,
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "in_channels": 3,
+                **QWEN_VL_PATCHES,
             },
-            image_token_id=151,
-            video_token_id=152,
-            vision_start_token_id=153,
-            vision_end_token_id=154,
+            **QWEN_VL_TOKENS,
             tie_word_embeddings=False,
         ),
         # decoder layers under `transformer.h`, not `model.layers` (GPT-2 ties its head to the embedding)
@@ -152,22 +161,7 @@ def configs() -> dict[str, Any]:
             max_position_embeddings=256,
         ),
         # MLA with a compressed query, routing with a score-correction bias (noaux_tc), shared experts
-        "deepseek-v3": lambda: DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            n_routed_experts=4,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            first_k_dense_replace=1,
-            kv_lora_rank=32,
-            q_lora_rank=32,
-            qk_nope_head_dim=16,
-            qk_rope_head_dim=16,
-            v_head_dim=16,
-            n_group=1,
-            topk_group=1,
-            topk_method="noaux_tc",
-        ),
+        "deepseek-v3": lambda: DeepseekV3Config(**DEEPSEEK, q_lora_rank=32, topk_method="noaux_tc"),
         "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2),
         "phimoe": lambda: PhimoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "granitemoe": lambda: GraniteMoeConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
@@ -198,24 +192,18 @@ def configs() -> dict[str, Any]:
             linear_value_head_dim=16,
         ),
         "qwen2_5-vl": lambda: Qwen2_5_VLConfig(
-            text_config={**COMMON, "vocab_size": 160, "rope_scaling": {"type": "mrope", "mrope_section": [2, 2, 4]}},
+            text_config=QWEN_VL_TEXT,
             vision_config={
                 "depth": 2,
                 "hidden_size": 32,
                 "intermediate_size": 64,
                 "num_heads": 2,
                 "out_hidden_size": 64,
-                "patch_size": 14,
-                "spatial_merge_size": 2,
-                "temporal_patch_size": 2,
-                "in_channels": 3,
                 "fullatt_block_indexes": [1],
                 "window_size": 56,
+                **QWEN_VL_PATCHES,
             },
-            image_token_id=151,
-            video_token_id=152,
-            vision_start_token_id=153,
-            vision_end_token_id=154,
+            **QWEN_VL_TOKENS,
         ),
         # vLLM's BLOOM computes its ALiBi slopes while it is constructed: no meta-device build (a refusal)
         "bloom": lambda: BloomConfig(hidden_size=64, n_head=4, n_layer=3, vocab_size=128),

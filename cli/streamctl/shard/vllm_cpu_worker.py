@@ -50,7 +50,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from streamctl.shard import vllm_shims
@@ -291,11 +291,12 @@ def emulate_rank(tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Iter
     from vllm.distributed import parallel_state
 
     tp, pp, ep = parallel_state._TP, parallel_state._PP, getattr(parallel_state, "_EP", None)
-    groups = (tp, pp) if ep is None else (tp, pp, ep)
+    tp_like = (tp,) if ep is None else (tp, ep)
+    groups = (*tp_like, pp)
     fields = ("world_size", "rank_in_group", "ranks", "rank")
     saved = [{name: getattr(group, name) for name in fields} for group in groups]
     global_rank = pp_rank * tp_size + tp_rank
-    for group in (tp, ep) if ep is not None else (tp,):
+    for group in tp_like:
         group.world_size, group.rank_in_group, group.rank = tp_size, tp_rank, global_rank
         group.ranks = [pp_rank * tp_size + i for i in range(tp_size)]
     pp.world_size, pp.rank_in_group, pp.rank = pp_size, pp_rank, global_rank
@@ -336,8 +337,12 @@ WHOLE_RANK = -2  # the "layer" of every name of a model built a whole rank at a 
 class PlannedTensor:
     name: str
     dtype: str  # safetensors name
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # TP rank 0's
     layer: int = -1
+    rank_shapes: tuple[tuple[int, ...], ...] = ()  # every TP rank's, where they differ (EP over uneven experts)
+
+    def shape_on(self, tp_rank: int) -> tuple[int, ...]:
+        return self.rank_shapes[tp_rank] if self.rank_shapes else self.shape
 
 
 @dataclass
@@ -357,18 +362,12 @@ class Plan:
     sent: dict[tuple[int, int], dict[str, str]] = field(default_factory=dict)  # (pp, tp) -> name -> sha256
     global_feeders: set[int] = field(default_factory=set)  # pseudo stages fed the non-layer HF tensors too
     layerwise: bool = True  # False: the model has no pipeline stages, every rank is built whole (WHOLE_RANK)
-    # (pp_rank, name) -> its shape on each TP rank, where the ranks differ (EP over experts it does not divide)
-    rank_shapes: dict[tuple[int, str], tuple[tuple[int, ...], ...]] = field(default_factory=dict)
 
     hf_by_layer: dict[int | None, list[str]] = field(default_factory=dict)  # HF names by decoder layer
 
     def __post_init__(self) -> None:
         for name in self.hf_tensors:
             self.hf_by_layer.setdefault(hf_layer_index(name), []).append(name)
-
-    def shape_on(self, pp_rank: int, tp_rank: int, tensor: PlannedTensor) -> tuple[int, ...]:
-        shapes = self.rank_shapes.get((pp_rank, tensor.name))
-        return shapes[tp_rank] if shapes else tensor.shape
 
     def hf_names_of_layer(self, layer: int) -> list[str]:
         """The HF tensors pseudo stage `layer` is fed: its decoder layer's, and on the first and last pseudo
@@ -526,7 +525,7 @@ def plan_stage_names(
     """Meta builds of every TP rank of real stage pp_rank: one list (TP rank 0's), and the build-only shims
     the builds looked up. Every rank must hold the same names and dtypes in the same order; shapes may differ
     only under expert parallelism (vLLM gives the first ranks one expert more when EP does not divide the
-    experts, determine_expert_map), and then every rank's shape is recorded in plan.rank_shapes."""
+    experts, determine_expert_map), and then the tensor carries every rank's (rank_shapes)."""
     ranks: list[list[PlannedTensor]] = []
     shims: set[str] = set()
     for tp_rank in range(plan.tp):
@@ -545,11 +544,11 @@ def plan_stage_names(
                 + _describe_difference(ranks[0], tensors),
             )
         ranks.append(tensors)
+    merged = []
     for index, tensor in enumerate(ranks[0]):
         shapes = tuple(rank[index].shape for rank in ranks)
-        if len(set(shapes)) > 1:
-            plan.rank_shapes[(pp_rank, tensor.name)] = shapes
-    return ranks[0], shims
+        merged.append(replace(tensor, rank_shapes=shapes) if len(set(shapes)) > 1 else tensor)
+    return merged, shims
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:
@@ -645,8 +644,9 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
             stage_layers = [get_pp_indices(num_layers, rank, pp) for rank in range(pp)]
     except Exception as error:
         raise WorkerError("bad-parallel-size", one_line(error)) from error
-    plan = Plan(request, tp, pp, ep, partition, num_layers, stage_layers, [], hf_tensors, quantization)
-    plan.layerwise = layerwise
+    plan = Plan(
+        request, tp, pp, ep, partition, num_layers, stage_layers, [], hf_tensors, quantization, layerwise=layerwise
+    )
     used: set[str] = set()
     for pp_rank in range(pp):
         tensors, stage_shims = plan_stage_names(request, plan, pp_rank, quantization)
@@ -655,18 +655,17 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
             layer_of = producing_layers(request, plan, pp_rank, tensors)
         else:
             layer_of = dict.fromkeys((t.name for t in tensors), WHOLE_RANK)
-        plan.stages.append({t.name: PlannedTensor(t.name, t.dtype, t.shape, layer_of[t.name]) for t in tensors})
+        plan.stages.append({t.name: replace(t, layer=layer_of[t.name]) for t in tensors})
         plan.global_feeders |= {layer_of[t.name] for t in tensors if hf_layer_index(t.name) is None}
     gc.collect()
     channel.send(_plan_reply(plan, config, quantization, sorted(used)))
     return plan
 
 
-def _tensor_entry(plan: Plan, pp_rank: int, tensor: PlannedTensor) -> dict[str, Any]:
+def _tensor_entry(tensor: PlannedTensor) -> dict[str, Any]:
     entry = {"name": tensor.name, "dtype": tensor.dtype, "shape": list(tensor.shape), "layer": tensor.layer}
-    shapes = plan.rank_shapes.get((pp_rank, tensor.name))
-    if shapes:
-        entry["rank_shapes"] = [list(shape) for shape in shapes]
+    if tensor.rank_shapes:
+        entry["rank_shapes"] = [list(shape) for shape in tensor.rank_shapes]
     return entry
 
 
@@ -690,7 +689,7 @@ def _plan_reply(plan: Plan, config: Any, quantization: str | None, shims: list[s
             {
                 "pp_rank": pp_rank,
                 "layers": list(plan.stage_layers[pp_rank]),
-                "tensors": [_tensor_entry(plan, pp_rank, t) for t in stage.values()],
+                "tensors": [_tensor_entry(t) for t in stage.values()],
             }
             for pp_rank, stage in enumerate(plan.stages)
         ],
@@ -815,10 +814,10 @@ def load_pseudo_stage(
     from vllm.model_executor.model_loader.sharded_state_loader import ShardedStateLoader
 
     if layer == WHOLE_RANK:  # the real (only) stage, every layer at once
-        stage = pp_partition(plan.partition), emulate_rank(plan.tp, tp_rank, plan.pp, 0)
+        partition, stages, stage = plan.partition, plan.pp, 0
     else:
-        stage = pp_partition(",".join(["1"] * plan.num_layers)), emulate_rank(plan.tp, tp_rank, plan.num_layers, layer)
-    with stage[0], stage[1]:
+        partition, stages, stage = ",".join(["1"] * plan.num_layers), plan.num_layers, layer
+    with pp_partition(partition), emulate_rank(plan.tp, tp_rank, stages, stage):
         config = make_vllm_config(plan.request)
         model = build_model(config)
         saved = _poison(model)
@@ -896,7 +895,7 @@ def send_group(
         if tensor is None:
             raise WorkerError("internal", f"pseudo stage {want.layer} (TP rank {tp_rank}) holds no {name}")
         got = (TORCH_TO_SAFETENSORS.get(str(tensor.dtype).removeprefix("torch.")), tuple(tensor.shape))
-        shape = plan.shape_on(pp_rank, tp_rank, want)
+        shape = want.shape_on(tp_rank)
         if got != (want.dtype, shape):
             raise WorkerError("internal", f"{name}: built {got}, planned {(want.dtype, shape)}")
         if has_nan(tensor):
