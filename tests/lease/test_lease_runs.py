@@ -314,7 +314,7 @@ def test_a_second_shard_into_a_dest_being_written_is_refused(
 ) -> None:
     env = request.getfixturevalue("storage_env") if root != "local" else {}
     url = dest_url(request.getfixturevalue(root) if root != "local" else root, tmp_path)
-    big = {"hidden_size": 512, "intermediate_size": 4096, "vocab_size": 32000, "num_hidden_layers": 4}
+    big = {"hidden_size": 256, "intermediate_size": 2048, "vocab_size": 16000, "num_hidden_layers": 4}  # ~30 MB
     write_tiny_checkpoint(tmp_path / "a", "llama-gqa", seed=1, **big)
     write_tiny_checkpoint(tmp_path / "b", "llama-gqa", seed=2)
     dest = open_location(url)

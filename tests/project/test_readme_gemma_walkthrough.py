@@ -6,27 +6,15 @@ Skipped without STREAMCTL_VLLM_PYTHON (the shard step runs its worker there, and
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 from cli_helpers import run_cli
-from oracle import SCRIPTS, check_sharded, oracle_python, requires_vllm_oracle
+from oracle import check_sharded, requires_vllm_oracle
 
 pytestmark = requires_vllm_oracle
 
 REPO = "google/gemma-3-4b-it"
-
-
-def _tiny_gemma3(root: Path) -> Path:
-    """transformers' own tiny random Gemma 3 multimodal checkpoint (tests/vllm_oracle/tiny_hf_models.py)."""
-    python = oracle_python()
-    assert python is not None
-    done = subprocess.run(
-        [python, str(SCRIPTS / "tiny_hf_models.py"), str(root), "gemma3-mm"], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return root / "gemma3-mm"
 
 
 def _download(prefix: str, local: Path, env: dict[str, str]) -> None:
@@ -42,9 +30,9 @@ def _download(prefix: str, local: Path, env: dict[str, str]) -> None:
 
 
 def test_readme_gemma_walkthrough_transfer_shard_serve(
-    tmp_path: Path, fake_hub: Any, gs_root: str, s3_root: str, storage_env: dict[str, str]
+    tmp_path: Path, fake_hub: Any, gs_root: str, s3_root: str, storage_env: dict[str, str], tiny_hf_root: Path
 ) -> None:
-    hf = _tiny_gemma3(tmp_path / "hf")
+    hf = tiny_hf_root / "gemma3-mm"  # transformers' own tiny random Gemma 3 multimodal checkpoint
     fake_hub.add_repo(REPO, folder=hf)
     model, sharded = f"{gs_root}/gemma-3-4b-it", f"{gs_root}/gemma-3-4b-it-tp2"
 

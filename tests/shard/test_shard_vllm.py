@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,22 +35,63 @@ except ImportError:  # the oracle helpers are not in this checkout
     ORACLE_KINDS = {}
 
 
-@requires_vllm_oracle
-def test_vllm_loads_every_rank_bit_identical(tmp_path: Path) -> None:
-    """vLLM's ShardedStateLoader (through the Run:ai streamer) loads every rank of streamctl's files into
-    the rank's model, and every parameter equals vLLM's own load of the HF checkpoint."""
+Job = dict[str, Any]
+
+
+def _oracle_kind_jobs(root: Path) -> list[Job]:
+    """The oracle's tiny kinds at TP 1, 2, 4 (and PP 2 for llama-gqa), sharded by streamctl."""
     jobs = []
     for kind in ORACLE_KINDS:
-        hf_dir = write_tiny_checkpoint(tmp_path / kind / "hf", kind)
+        hf_dir = write_tiny_checkpoint(root / kind / "hf", kind)
         for tp, pp in ((1, 1), (2, 1), (4, 1), (2, 2)):
             if pp > 1 and kind != "llama-gqa":
                 continue  # the oracle emulates TP ranks; PP stages are checked against the rules above
-            out = tmp_path / kind / f"tp{tp}-pp{pp}"
+            out = root / kind / f"tp{tp}-pp{pp}"
             shard(hf_dir, out, tensor_parallel_size=tp, pipeline_parallel_size=pp, vllm_version="0.33.0")
             jobs.append({"hf_dir": hf_dir, "sharded_dir": out, "tp": tp, "pp": pp})
-    verdicts = check_sharded_many(jobs)
-    failed = [(job["sharded_dir"], verdict) for job, verdict in zip(jobs, verdicts, strict=False) if not verdict["ok"]]
-    assert not failed, json.dumps([(str(path), verdict) for path, verdict in failed], default=str)[:4000]
+    return jobs
+
+
+def _other_kind_jobs(root: Path) -> list[Job]:
+    """This module's own kinds: Qwen3 q/k norms, Llama biases, TP 8 both ways, PP 3."""
+    jobs = []
+    for kind, tp, pp in (
+        ("qwen3", 2, 1),
+        ("qwen3", 8, 1),
+        ("llama-bias", 2, 1),
+        ("llama-mha", 8, 1),
+        ("llama-gqa", 8, 1),
+        ("llama-tied", 2, 3),
+    ):
+        write_model(root / kind / "hf", kind, num_hidden_layers=5)
+        out = root / kind / f"tp{tp}-pp{pp}"
+        shard(root / kind / "hf", out, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        jobs.append({"hf_dir": root / kind / "hf", "sharded_dir": out, "tp": tp, "pp": pp})
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Job, dict[str, Any]]]]:
+    """Both sets of jobs through ONE check_sharded process (vLLM's import costs ~10 s per process)."""
+    sets = {
+        "oracle kinds": _oracle_kind_jobs(tmp_path_factory.mktemp("oracle-kinds")),
+        "other kinds": _other_kind_jobs(tmp_path_factory.mktemp("other-kinds")),
+    }
+    verdicts = iter(check_sharded_many([job for jobs in sets.values() for job in jobs]))
+    return {name: [(job, next(verdicts)) for job in jobs] for name, jobs in sets.items()}
+
+
+def _assert_all_ok(judged: list[tuple[Job, dict[str, Any]]]) -> None:
+    assert judged, "no case was judged"
+    failed = [(str(job["sharded_dir"]), verdict) for job, verdict in judged if not verdict["ok"]]
+    assert not failed, json.dumps(failed, default=str)[:4000]
+
+
+@requires_vllm_oracle
+def test_vllm_loads_every_rank_bit_identical(judged: dict[str, list[tuple[Job, dict[str, Any]]]]) -> None:
+    """vLLM's ShardedStateLoader (through the Run:ai streamer) loads every rank of streamctl's files into
+    the rank's model, and every parameter equals vLLM's own load of the HF checkpoint."""
+    _assert_all_ok(judged["oracle kinds"])
 
 
 STREAM_EVERY_TENSOR = r"""
@@ -100,26 +142,9 @@ def test_run_ai_streamer_reads_every_tensor(tmp_path: Path) -> None:
 
 
 @requires_vllm_oracle
-def test_vllm_loads_the_other_kinds(tmp_path: Path) -> None:
+def test_vllm_loads_the_other_kinds(judged: dict[str, list[tuple[Job, dict[str, Any]]]]) -> None:
     """This module's own kinds through the same judge: Qwen3 q/k norms, Llama biases, TP 8 both ways, PP 3."""
-    jobs = []
-    for kind, tp, pp in (
-        ("qwen3", 2, 1),
-        ("qwen3", 8, 1),
-        ("llama-bias", 2, 1),
-        ("llama-mha", 8, 1),
-        ("llama-gqa", 8, 1),
-        ("llama-tied", 2, 3),
-    ):
-        write_model(tmp_path / kind / "hf", kind, num_hidden_layers=5)
-        out = tmp_path / kind / f"tp{tp}-pp{pp}"
-        shard(tmp_path / kind / "hf", out, tensor_parallel_size=tp, pipeline_parallel_size=pp)
-        jobs.append({"hf_dir": tmp_path / kind / "hf", "sharded_dir": out, "tp": tp, "pp": pp})
-    verdicts = check_sharded_many(jobs)
-    failed = [
-        (str(job["sharded_dir"]), verdict) for job, verdict in zip(jobs, verdicts, strict=False) if not verdict["ok"]
-    ]
-    assert not failed, json.dumps(failed, default=str)[:4000]
+    _assert_all_ok(judged["other kinds"])
 
 
 @requires_vllm_oracle

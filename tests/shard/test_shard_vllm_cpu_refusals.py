@@ -82,7 +82,7 @@ class Ran:
 
 @pytest.fixture(scope="module")
 def ran(tiny_hf_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Ran]:
-    root = tiny_hf_root  # tests/shard/conftest.py: written once per session
+    root = tiny_hf_root  # tests/conftest.py: written once per session
     python = oracle_python()
     assert python is not None
     work = tmp_path_factory.mktemp("refusals")

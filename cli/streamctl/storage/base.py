@@ -341,6 +341,15 @@ class ListingNote:
         return {"path": path, "kind": self.kind, "target": self.target, "reason": self.reason}
 
 
+DEFAULT_MAX_ATTEMPTS = 5
+
+
+def default_max_attempts(environ: Mapping[str, str] = os.environ) -> int:
+    """Tries per request: STREAMCTL_MAX_ATTEMPTS when it is a positive integer, else the default."""
+    value = environ.get("STREAMCTL_MAX_ATTEMPTS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_MAX_ATTEMPTS
+
+
 @dataclass(frozen=True)
 class StorageOptions:
     """Per-invocation settings that the URL alone does not carry."""
@@ -351,8 +360,9 @@ class StorageOptions:
     hf_token: str | None = None  # else HF_TOKEN or the huggingface_hub login
     hf_revision: str | None = None  # branch, tag or commit for hf:// sources (else the URL's @REV, else main)
     hf_repo_type: str | None = None  # "model" (default) or "dataset"
-    # Retries per request inside each SDK; tests turn this down to keep failures fast.
-    max_attempts: int = 5
+    # Tries per request, in each SDK and for each request cut at its deadline; tests turn this down to keep
+    # failures fast (STREAMCTL_MAX_ATTEMPTS, the same kind of tuning as storage/deadlines.py's).
+    max_attempts: int = field(default_factory=default_max_attempts)
     # Local folders: also read symbolic links that lead outside the folder named (never when writing).
     follow_symlinks: bool = False
 

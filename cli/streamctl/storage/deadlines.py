@@ -21,7 +21,7 @@ retry the operation (retry.py) up to the store's attempts, each with a fresh dea
 on a silent server end now rather than at their deadlines.
 
 Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and
-STREAMCTL_DEADLINE_FLOOR_BPS. Nothing here imports an SDK until a backend installs its hook.
+STREAMCTL_DEADLINE_FLOOR_BPS here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a backend installs its hook.
 """
 
 from __future__ import annotations
