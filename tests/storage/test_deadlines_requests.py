@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ ATTEMPTS = 3
 BOUND_S = ATTEMPTS * (BASE_S + 2.0) + 1.5 + 15.0
 CLI_TIMEOUT_S = 90.0  # the old code runs for >900 s here: this fails it instead of hanging
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = pytest.mark.timeout(300)  # the first test also waits for the `hangs` fixture
 
 # Which requests to slow down, per backend: listings, and reads of the safetensors files (the source's data).
 LISTING: dict[str, Callable[[str, str], bool]] = {
@@ -75,37 +77,20 @@ def _env_through(backend: str, proxy: SlowProxy, storage_env: dict[str, str], **
     return env
 
 
-@pytest.fixture(params=["s3", "gs", "az", "hf"])
-def source(request: pytest.FixtureRequest, fake_hub: Any) -> Iterator[tuple[str, str]]:
-    """(backend, URL) of a small valid HF checkpoint on that backend, written directly (not via the proxy)."""
-    backend = request.param
+def _source(backend: str, storage_servers: Any, fake_hub: Any, scratch: Path) -> str:
+    """The URL of a small valid HF checkpoint on that backend, written directly (not via the proxy)."""
     if backend == "hf":
-        staging = open_location(str(request.getfixturevalue("tmp_path") / "staging"))
+        staging = open_location(str(scratch / "staging"))
         write_hf_checkpoint(staging)
         files = {info.key: staging.store.read_range(info.key, 0, info.size) for info in staging.list()}
         fake_hub.add_repo("org/slow", files)
         fake_hub.redirect_lfs = False  # every byte from the hub, i.e. through the proxy
-        yield backend, "hf://org/slow"
-        return
-    root = request.getfixturevalue(f"{backend}_root")
+        return "hf://org/slow"
+    server = storage_servers.get(backend)
+    bucket = server.new_container() if backend == "az" else server.new_bucket()
+    root = f"{backend}://{bucket}/data"
     write_hf_checkpoint(open_location(root))
-    yield backend, root
-
-
-def _assert_deadline_failure(result: Any, proxy: SlowProxy, elapsed: float) -> None:
-    assert result.exit_code == 6, (result.exit_code, result.stdout, result.stderr)
-    assert proxy.endpoint in result.stderr, result.stderr
-    assert "within" in result.stderr
-    assert f"{ATTEMPTS} attempts" in result.stderr, "STREAMCTL_MAX_ATTEMPTS was not applied"
-    assert "Traceback" not in result.stderr
-    assert elapsed < BOUND_S, f"took {elapsed:.1f} s, bound {BOUND_S:.1f} s"
-    assert proxy.hits >= 1
-
-
-def _run(*args: str, env: dict[str, str]) -> tuple[Any, float]:
-    started = time.monotonic()
-    result = run_cli(*args, env=env, timeout=CLI_TIMEOUT_S)
-    return result, time.monotonic() - started
+    return root
 
 
 # Each backend meets two of the three ways to hang (all three on S3), to keep the suite's time down.
@@ -117,39 +102,110 @@ MODES = {
 }
 
 
-@pytest.mark.parametrize("mode", ["dribble", "silent", "slow_head"])
-def test_verify_index_ends_when_the_listing_hangs(
-    source: tuple[str, str], mode: str, storage_servers: Any, storage_env: dict[str, str], fake_hub: Any
-) -> None:
-    backend, url = source
-    if mode not in MODES[backend]:
-        pytest.skip(f"{mode} is covered on other backends")
-    with SlowProxy(_upstream_port(backend, storage_servers, fake_hub), LISTING[backend], mode, 0.5) as proxy:
-        result, elapsed = _run("verify-index", url, "--quiet", env=_env_through(backend, proxy, storage_env))
-    _assert_deadline_failure(result, proxy, elapsed)
+@dataclass(frozen=True)
+class Hang:
+    """One command against one backend whose chosen requests hang in one way."""
+
+    command: str  # "verify-index" (the listing hangs), "transfer" (a read dribbles), "serve" (a header read)
+    backend: str
+    mode: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.command}-{self.backend}-{self.mode}"
 
 
-def test_transfer_ends_when_a_read_dribbles(
-    source: tuple[str, str], tmp_path: Path, storage_servers: Any, storage_env: dict[str, str], fake_hub: Any
-) -> None:
-    backend, url = source
-    with SlowProxy(_upstream_port(backend, storage_servers, fake_hub), READS[backend], "dribble", 0.5) as proxy:
-        result, elapsed = _run(
-            "transfer", url, str(tmp_path / "out"), "--quiet", env=_env_through(backend, proxy, storage_env)
-        )
-    _assert_deadline_failure(result, proxy, elapsed)
-    assert not any((tmp_path / "out").glob("*.safetensors")), "nothing under a final name"
+HANGS = [
+    *(Hang("verify-index", backend, mode) for backend, modes in MODES.items() for mode in modes),
+    *(Hang("transfer", backend, "dribble") for backend in MODES),
+    *(Hang("serve", backend, "silent") for backend in MODES if backend != "hf"),  # serve takes no hf:// repo
+]
+CONCURRENT_HANGS = 3  # each run mostly waits on its deadlines; more would compete for 2 cores at start-up
 
 
-def test_serve_dry_run_preflight_ends_when_a_header_read_hangs(
-    source: tuple[str, str], storage_servers: Any, storage_env: dict[str, str], fake_hub: Any
-) -> None:
-    backend, url = source
-    if backend == "hf":
-        pytest.skip("serve takes a bucket prefix or a local folder, not an hf:// repo")
-    with SlowProxy(_upstream_port(backend, storage_servers, fake_hub), READS[backend], "silent") as proxy:
-        result, elapsed = _run("serve", url, "--dry-run", env=_env_through(backend, proxy, storage_env))
-    _assert_deadline_failure(result, proxy, elapsed)
+@dataclass(frozen=True)
+class HangOutcome:
+    result: Any  # CliResult
+    elapsed: float
+    endpoint: str  # the proxy's host:port
+    hits: int  # requests the proxy slowed down
+    out: Path | None  # transfer's DEST
+
+
+def _run_hang(hang: Hang, url: str, env: dict[str, str], upstream: int, scratch: Path) -> HangOutcome:
+    matches = LISTING if hang.command == "verify-index" else READS
+    with SlowProxy(upstream, matches[hang.backend], hang.mode, 0.5) as proxy:
+        env = _env_through(hang.backend, proxy, env)
+        out = scratch / hang.id / "out" if hang.command == "transfer" else None
+        args = {
+            "verify-index": ("verify-index", url, "--quiet"),
+            "transfer": ("transfer", url, str(out), "--quiet"),
+            "serve": ("serve", url, "--dry-run"),
+        }[hang.command]
+        result, elapsed = _run(*args, env=env)
+        return HangOutcome(result, elapsed, proxy.endpoint, proxy.hits, out)
+
+
+@pytest.fixture(scope="module")
+def hangs(
+    storage_servers: Any,
+    fake_hub_server: Any,
+    _storage_session_env: dict[str, str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, HangOutcome]]:
+    """Every HANGS case, CONCURRENT_HANGS at a time: each one spends its time waiting out deadlines and
+    back-offs (~5-15 s), so one after another they took most of three minutes."""
+    scratch = tmp_path_factory.mktemp("hangs")
+    fake_hub_server.reset()
+    try:
+        urls = {backend: _source(backend, storage_servers, fake_hub_server, scratch / backend) for backend in MODES}
+        env = {**_storage_session_env, **storage_servers.env()}
+        with ThreadPoolExecutor(CONCURRENT_HANGS) as pool:
+            futures = {
+                hang.id: pool.submit(
+                    _run_hang, hang, urls[hang.backend], env,
+                    _upstream_port(hang.backend, storage_servers, fake_hub_server), scratch,
+                )
+                for hang in HANGS
+            }  # fmt: skip
+            yield {name: future.result() for name, future in futures.items()}
+    finally:
+        fake_hub_server.reset()
+
+
+def _assert_deadline_failure(outcome: HangOutcome) -> None:
+    result = outcome.result
+    assert result.exit_code == 6, (result.exit_code, result.stdout, result.stderr)
+    assert outcome.endpoint in result.stderr, result.stderr
+    assert "within" in result.stderr
+    assert f"{ATTEMPTS} attempts" in result.stderr, "STREAMCTL_MAX_ATTEMPTS was not applied"
+    assert "Traceback" not in result.stderr
+    assert outcome.elapsed < BOUND_S, f"took {outcome.elapsed:.1f} s, bound {BOUND_S:.1f} s"
+    assert outcome.hits >= 1
+
+
+def _run(*args: str, env: dict[str, str]) -> tuple[Any, float]:
+    started = time.monotonic()
+    result = run_cli(*args, env=env, timeout=CLI_TIMEOUT_S)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.parametrize("hang", [hang for hang in HANGS if hang.command == "verify-index"], ids=lambda h: h.id)
+def test_verify_index_ends_when_the_listing_hangs(hangs: dict[str, HangOutcome], hang: Hang) -> None:
+    _assert_deadline_failure(hangs[hang.id])
+
+
+@pytest.mark.parametrize("hang", [hang for hang in HANGS if hang.command == "transfer"], ids=lambda h: h.id)
+def test_transfer_ends_when_a_read_dribbles(hangs: dict[str, HangOutcome], hang: Hang) -> None:
+    outcome = hangs[hang.id]
+    _assert_deadline_failure(outcome)
+    assert outcome.out is not None
+    assert not any(outcome.out.glob("*.safetensors")), "nothing under a final name"
+
+
+@pytest.mark.parametrize("hang", [hang for hang in HANGS if hang.command == "serve"], ids=lambda h: h.id)
+def test_serve_dry_run_preflight_ends_when_a_header_read_hangs(hangs: dict[str, HangOutcome], hang: Hang) -> None:
+    _assert_deadline_failure(hangs[hang.id])
 
 
 def _large_checkpoint(root: str, size: int) -> None:
