@@ -196,9 +196,12 @@ def check_serve_args_many(argvs: Sequence[Sequence[str]], timeout: float = DEFAU
 
 
 def stream_runai_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
-    """The Run:ai streamer 0.17's verdict per job {"paths": [file, ...], "env": {NAME: VALUE}}: {"ok",
-    "tensors": [[name, torch dtype, shape]], "error"} (see tests/vllm_oracle/stream_runai.py)."""
-    jobs = [{"paths": [str(path) for path in job["paths"]], "env": dict(job.get("env", {}))} for job in jobs]
+    """The Run:ai streamer 0.17's verdict per job {"paths": [file, ...], "env": {NAME: VALUE}, "hash": bool}:
+    {"ok", "tensors": [[name, torch dtype, shape]], "sha256" (with "hash"), "error"} (tests/vllm_oracle/stream_runai.py)."""
+    jobs = [
+        {"paths": [str(path) for path in job["paths"]], "env": dict(job.get("env", {})), "hash": bool(job.get("hash"))}
+        for job in jobs
+    ]
     return _run_jobs("stream_runai.py", jobs, "results", timeout)
 
 

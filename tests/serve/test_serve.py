@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -208,33 +207,6 @@ def demo_model(tmp_path: Path) -> Path:
     folder = tmp_path / "model"
     build_demo_checkpoint(open_location(str(folder)))
     return folder
-
-
-FAKE_VLLM = """#!{python}
-import json, os, signal, sys, time
-record = os.environ["FAKE_VLLM_RECORD"]
-def write(extra):
-    with open(record, "w") as handle:
-        json.dump({{"argv": sys.argv, "pid": os.getpid(), "env": dict(os.environ), **extra}}, handle)
-def on_term(signum, frame):
-    write({{"signal": signum}})
-    sys.exit(143)
-signal.signal(signal.SIGTERM, on_term)
-write({{}})
-if os.environ.get("FAKE_VLLM_SLEEP"):
-    time.sleep(float(os.environ["FAKE_VLLM_SLEEP"]))
-sys.exit(int(os.environ.get("FAKE_VLLM_EXIT", "0")))
-"""
-
-
-@pytest.fixture
-def fake_vllm(tmp_path: Path) -> dict[str, str]:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    script = bin_dir / "vllm"
-    script.write_text(FAKE_VLLM.format(python=sys.executable))
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_VLLM_RECORD": str(tmp_path / "record.json")}
 
 
 def test_exec_replaces_the_process_and_passes_the_exit_code(demo_model: Path, fake_vllm: dict[str, str]) -> None:

@@ -21,6 +21,7 @@ from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, che
 from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.serve.vllm_args import masked_arguments, takes
 from streamctl.sizes import parse_size
+from streamctl.storage.azure_auth import choose_auth, connection_string_fields
 from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
 
@@ -166,6 +167,13 @@ class LaunchPlan:
     experimental: bool = False
     memory_limit: int | None = None  # the streamer's staging limit as asked (in extra_config or env as text)
     distributed: bool = False  # one streamer reads and broadcasts to the TP workers (else each stages its own)
+    # Secrets the streamer needs in a form it reads, for a launch on this host only (never in a manifest):
+    # see azure_streamer_credentials. Shown by name, masked.
+    credentials: Mapping[str, str] = field(default_factory=dict, repr=False)
+
+    def launch_env(self) -> dict[str, str]:
+        """What `vllm serve` (and the tune probes) get on top of the inherited environment."""
+        return {**self.credentials, **self.env}
 
     def masked_argv(self) -> list[str]:
         """argv for display: secret vLLM options however spelled, and URL credentials, masked."""
@@ -173,7 +181,8 @@ class LaunchPlan:
 
     def masked_env(self) -> dict[str, str]:
         return {
-            name: (MASK if name in SECRET_ENV else mask_credentials(value)) for name, value in sorted(self.env.items())
+            name: (MASK if name in SECRET_ENV else mask_credentials(value))
+            for name, value in sorted(self.launch_env().items())
         }
 
     def shell_line(self) -> str:
@@ -222,9 +231,7 @@ def _storage_env(
         if emulator:  # the streamer's native GCS client reads only this name; with the other it hangs
             wanted["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = (emulator, False)
     elif parsed.scheme == "az":
-        connection = dict(
-            part.split("=", 1) for part in environ.get("AZURE_STORAGE_CONNECTION_STRING", "").split(";") if "=" in part
-        )
+        connection = connection_string_fields(environ.get("AZURE_STORAGE_CONNECTION_STRING", ""))
         account = (
             parsed.account
             or storage.azure_account
@@ -253,6 +260,49 @@ def _storage_env(
     return env
 
 
+# The Run:ai streamer (0.17) authenticates to Azure with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, else
+# DefaultAzureCredential. It reads neither AZURE_STORAGE_CONNECTION_STRING (only in its Azurite test builds) nor
+# AZURE_STORAGE_KEY, which streamctl's own Azure store reads (storage/azure_auth.py).
+STREAMER_AZURE_KEY, STREAMER_AZURE_SAS = "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"
+
+
+def azure_streamer_credentials(
+    parsed: ParsedURL, options: ServeOptions, environ: Mapping[str, str], for_kubernetes: bool, warnings: list[str]
+) -> dict[str, str]:
+    """The secret streamctl's own store authenticates with, under the name the streamer reads, where it
+    differs: a connection string's AccountKey or SharedAccessSignature, or AZURE_STORAGE_KEY.
+
+    Without it, streamctl's pre-flight passes while vLLM's streamer finds no credentials and fails after the
+    GPUs were taken. A manifest never gets the value: the warning says what the pod's --secret must hold."""
+    if any(environ.get(name) for name in (STREAMER_AZURE_KEY, STREAMER_AZURE_SAS)):
+        return {}  # the streamer reads the user's own
+    auth = choose_auth(parsed.account, options.storage.azure_account, environ)
+    variable, what, passed = "", "", {}
+    if auth.method == "connection string" and auth.secret:
+        fields = connection_string_fields(auth.secret)
+        if fields.get("BlobEndpoint"):
+            warnings.append(
+                f"AZURE_STORAGE_CONNECTION_STRING names BlobEndpoint={mask_credentials(fields['BlobEndpoint'])}: "
+                "vLLM's streamer builds https://ACCOUNT.blob.core.windows.net itself and will not use it"
+            )
+        for part, name in (("AccountKey", STREAMER_AZURE_KEY), ("SharedAccessSignature", STREAMER_AZURE_SAS)):
+            if fields.get(part):
+                variable, what, passed = "AZURE_STORAGE_CONNECTION_STRING", f"its {part}", {name: fields[part]}
+                break
+    elif auth.method == "account key" and auth.secret:
+        variable, what, passed = "AZURE_STORAGE_KEY", "the key", {STREAMER_AZURE_KEY: auth.secret}
+    if not passed:
+        return {}
+    if for_kubernetes:
+        warnings.append(
+            f"vLLM's streamer does not read {variable}: the pod's --secret must hold {STREAMER_AZURE_KEY} or "
+            f"{STREAMER_AZURE_SAS}"
+        )
+        return {}
+    warnings.append(f"vLLM's streamer does not read {variable}: {what} goes to it as {next(iter(passed))}")
+    return passed
+
+
 def plan_launch(
     options: ServeOptions,
     facts: CheckpointFacts | None,
@@ -262,13 +312,18 @@ def plan_launch(
     cuda_available: bool,
     host_memory_bytes: int | None,
     executable: str = "vllm",
+    for_kubernetes: bool = False,
 ) -> LaunchPlan:
-    """argv + env for `vllm serve`. `facts` is None when the pre-flight was skipped."""
+    """argv + env for `vllm serve`. `facts` is None when the pre-flight was skipped; `for_kubernetes`: the
+    launch runs in a pod, so no secret of this host's goes into it."""
     options.validate()
     model = normalize_model(options.model)
     parsed = parse_url(model)
     warnings: list[str] = []
     env = _storage_env(parsed, options, environ, warnings)
+    credentials = (
+        azure_streamer_credentials(parsed, options, environ, for_kubernetes, warnings) if parsed.scheme == "az" else {}
+    )
     concurrency = options.concurrency or (
         DEFAULT_CONCURRENCY_OBJECT_STORE if parsed.is_remote else DEFAULT_CONCURRENCY_LOCAL
     )
@@ -298,6 +353,7 @@ def plan_launch(
         experimental,
         memory_limit=options.memory_limit,
         distributed=bool(distributed) and not sharded,  # the sharded loader has no distributed mode
+        credentials=credentials,
     )
 
 

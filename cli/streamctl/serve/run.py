@@ -34,7 +34,7 @@ class ServeResult:
     plan: LaunchPlan
     facts: CheckpointFacts | None  # None without the pre-flight
     tune: TuneResult | None  # with --tune: the measurements; `plan` uses the best concurrency
-    environ: Mapping[str, str] = field(repr=False)  # the environment vLLM inherits (plan.env goes on top)
+    environ: Mapping[str, str] = field(repr=False)  # the environment vLLM inherits (plan.launch_env() on top)
 
     def to_json(self) -> dict[str, object]:
         """`serve --json`'s document: the plan, secrets masked, and the measurements with --tune."""
@@ -80,13 +80,14 @@ def prepare_launch(
             environ=environ,
             cuda_available=target_cuda,
             host_memory_bytes=target_memory,
+            for_kubernetes=for_kubernetes,
         )
         return replace(plan, warnings=checked.warnings + plan.warnings)
 
     plan = plan_for(options)
     tune_result = None
     if options.tune:
-        tune_result = tune_concurrency(location, top_level_shards(location), plan.env, progress=progress)
+        tune_result = tune_concurrency(location, top_level_shards(location), plan.launch_env(), progress=progress)
         plan = plan_for(replace(options, concurrency=tune_result.best.concurrency))
     return ServeResult(options, plan, checked.facts, tune_result, environ)
 
@@ -98,4 +99,4 @@ def exec_vllm(result: ServeResult) -> NoReturn:
         raise MissingProgramError("vllm is not installed (no `vllm` on PATH)", hint="pip install 'streamctl[vllm]'")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(executable, [executable, *result.plan.argv[1:]], {**result.environ, **result.plan.env})
+    os.execve(executable, [executable, *result.plan.argv[1:]], {**result.environ, **result.plan.launch_env()})

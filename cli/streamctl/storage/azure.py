@@ -2,9 +2,9 @@
 
 URLs: `az://CONTAINER/PREFIX` (account from StorageOptions.azure_account, else AZURE_STORAGE_ACCOUNT_NAME, else
 the connection string) or `https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX`. Authentication, first
-that applies: AZURE_STORAGE_CONNECTION_STRING (when its account is the one asked for), an account key
-(AZURE_STORAGE_KEY or AZURE_STORAGE_ACCOUNT_KEY), a SAS token (AZURE_STORAGE_SAS_TOKEN), else Microsoft Entra ID
-through azure.identity.DefaultAzureCredential (`az login`, managed identity, workload identity...).
+that applies (storage/azure_auth.py): AZURE_STORAGE_CONNECTION_STRING (when its account is the one asked for),
+an account key (AZURE_STORAGE_KEY or AZURE_STORAGE_ACCOUNT_KEY), a SAS token (AZURE_STORAGE_SAS_TOKEN), else
+Microsoft Entra ID through azure.identity.DefaultAzureCredential (`az login`, managed identity, workload identity...).
 
 Multipart uploads stage blocks (`stage_block`, any order, any thread) and commit the block list in index
 order. Abort needs no request: staged but uncommitted blocks are never readable or listed, the next commit
@@ -37,6 +37,7 @@ from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, Co
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
+from streamctl.storage.azure_auth import AzureAuth, choose_auth
 from streamctl.storage.base import (
     HeldPart,
     MiB,
@@ -131,47 +132,6 @@ SERVICE = _errors.Service(classify, HINTS, listing_404_is_bucket=True)
 def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> StreamctlError:
     """The streamctl error for an SDK exception (without the container probe a store adds for bare 404s)."""
     return _errors.to_error(classify(error), url=url, bucket=bucket, op=op, hints=HINTS)
-
-
-@dataclass(frozen=True)
-class AzureAuth:
-    """The credential chosen for a store (no secrets in repr: it may end up in logs)."""
-
-    method: str  # "connection string", "account key", "SAS token" or "DefaultAzureCredential"
-    account: str | None
-    secret: str | None = field(default=None, repr=False)
-
-
-def _connection_string_account(connection_string: str) -> str | None:
-    for item in connection_string.split(";"):
-        name, _, value = item.partition("=")
-        if name.strip().lower() == "accountname" and value.strip():
-            return value.strip()
-    return None
-
-
-def choose_auth(url_account: str | None, option_account: str | None, environ: Mapping[str, str]) -> AzureAuth:
-    """Pick credentials in the documented order; no request is made."""
-    account = url_account or option_account or environ.get("AZURE_STORAGE_ACCOUNT_NAME") or None
-    connection_string = environ.get("AZURE_STORAGE_CONNECTION_STRING", "").strip()
-    if connection_string:
-        conn_account = _connection_string_account(connection_string)
-        # A connection string for another account must not silently redirect the upload there.
-        if account is None or conn_account is None or conn_account.lower() == account.lower():
-            return AzureAuth("connection string", account or conn_account, connection_string)
-    if account is None:
-        raise UsageError(
-            "no Azure storage account given",
-            hint="set AZURE_STORAGE_ACCOUNT_NAME (or AZURE_STORAGE_CONNECTION_STRING), or use "
-            "https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX",
-        )
-    key = environ.get("AZURE_STORAGE_KEY") or environ.get("AZURE_STORAGE_ACCOUNT_KEY")
-    if key:
-        return AzureAuth("account key", account, key.strip())
-    sas = environ.get("AZURE_STORAGE_SAS_TOKEN")
-    if sas:
-        return AzureAuth("SAS token", account, sas.strip().lstrip("?"))
-    return AzureAuth("DefaultAzureCredential", account)
 
 
 def _transport() -> RequestsTransport:
