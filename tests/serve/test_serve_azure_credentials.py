@@ -22,6 +22,7 @@ from cli_helpers import run_cli
 from streamctl.demo import build_demo_checkpoint
 from streamctl.serve.plan import LaunchPlan, ServeOptions, plan_launch
 from streamctl.storage import open_location
+from streamctl.storage.azure_auth import connection_string_fields
 
 KEY = "c2VjcmV0LWtleS1ieXRlcw=="  # base64 ends in '=': the parser must keep it whole
 SAS = "sv=2024-11-04&ss=b&srt=co&sp=rl&se=2030-01-01T00:00:00Z&sig=c2lnbmF0dXJl%3D"
@@ -126,9 +127,7 @@ def test_the_cli_launch_gets_the_key_and_prints_it_nowhere(
 ) -> None:
     """Against Azurite: the pre-flight authenticates with the connection string; the exec'd `vllm` (a stand-in
     that records its environment) receives the key as AZURE_STORAGE_ACCOUNT_KEY; --json and --k8s never show it."""
-    key = dict(part.split("=", 1) for part in storage_env["AZURE_STORAGE_CONNECTION_STRING"].split(";") if part)[
-        "AccountKey"
-    ]
+    key = connection_string_fields(storage_env["AZURE_STORAGE_CONNECTION_STRING"])["AccountKey"]
     env = {**storage_env, **fake_vllm}
     env.pop("AZURE_STORAGE_ACCOUNT_KEY", None)
 

@@ -35,7 +35,8 @@ def aws(*args: str, env: dict[str, str]) -> str:
     """One `aws` command against moto (path-style, the storage env's endpoint and keys); its stdout."""
     assert AWS is not None
     config = Path(env["AWS_CONFIG_FILE"]).with_name("aws-cli-config")
-    config.write_text("[default]\ns3 =\n    addressing_style = path\n")
+    if not config.exists():
+        config.write_text("[default]\ns3 =\n    addressing_style = path\n")
     done = subprocess.run(
         [AWS, *args, "--endpoint-url", env["AWS_ENDPOINT_URL"]],
         env={**os.environ, **env, "AWS_CONFIG_FILE": str(config)},

@@ -1,5 +1,6 @@
 """The Run:ai Model Streamer 0.17 (the oracle venv; the reader behind vLLM's runai_streamer load formats) reads
-every tensor of what `transfer` wrote into a bucket, straight from the bucket, byte for byte.
+every tensor of what `transfer` wrote into a bucket, straight from the bucket, byte for byte, with the storage
+variables `serve` launches vLLM with.
 
 The checkpoint has a file in several parts (an S3 multipart upload; composed part objects on GCS), a second
 file, and an index. Azure is not here: the streamer builds https://ACCOUNT.blob.core.windows.net itself and
@@ -19,6 +20,7 @@ import pytest
 from cli_helpers import run_cli
 from oracle import requires_vllm_oracle, stream_runai_many
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.serve.plan import ServeOptions, plan_launch
 
 pytestmark = requires_vllm_oracle
 MiB = 1024 * 1024
@@ -51,14 +53,12 @@ def two_file_checkpoint(folder: Path) -> dict[str, str]:
     return digests
 
 
-def streamer_env(backend: str, storage_env: dict[str, str]) -> dict[str, str]:
-    """What the streamer reads to reach the test's server (as `serve` sets it up: serve/plan.py)."""
-    if backend == "s3":
-        return {
-            name: storage_env[name]
-            for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")
-        } | {"RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "AWS_EC2_METADATA_DISABLED": "true"}
-    return {"CLOUD_STORAGE_EMULATOR_ENDPOINT": storage_env["STORAGE_EMULATOR_HOST"]}
+def streamer_env(root: str, storage_env: dict[str, str]) -> dict[str, str]:
+    """What the streamer reads to reach the test's server: the variables `serve` would launch vLLM with."""
+    launch = plan_launch(
+        ServeOptions(root), None, sharded=False, environ=storage_env, cuda_available=False, host_memory_bytes=None
+    )
+    return {**storage_env, **launch.launch_env()}
 
 
 @pytest.mark.parametrize("backend", ["s3", "gs"])
@@ -72,7 +72,7 @@ def test_the_streamer_reads_every_tensor_transfer_wrote_to_a_bucket(
     assert done.exit_code == 0, done.stderr
     files = sorted(path.name for path in (tmp_path / "model").glob("*.safetensors"))
     jobs: list[dict[str, Any]] = [
-        {"paths": [f"{root}/{name}" for name in files], "env": streamer_env(backend, storage_env), "hash": True}
+        {"paths": [f"{root}/{name}" for name in files], "env": streamer_env(root, storage_env), "hash": True}
     ]
     verdict = stream_runai_many(jobs)[0]
     assert verdict["ok"], verdict

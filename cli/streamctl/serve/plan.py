@@ -21,7 +21,7 @@ from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, che
 from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.serve.vllm_args import masked_arguments, takes
 from streamctl.sizes import parse_size
-from streamctl.storage.azure_auth import choose_auth, connection_string_fields
+from streamctl.storage.azure_auth import choose_auth, connection_string_account, connection_string_fields
 from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
 
@@ -231,12 +231,11 @@ def _storage_env(
         if emulator:  # the streamer's native GCS client reads only this name; with the other it hangs
             wanted["CLOUD_STORAGE_EMULATOR_ENDPOINT"] = (emulator, False)
     elif parsed.scheme == "az":
-        connection = connection_string_fields(environ.get("AZURE_STORAGE_CONNECTION_STRING", ""))
         account = (
             parsed.account
             or storage.azure_account
             or environ.get("AZURE_STORAGE_ACCOUNT_NAME")
-            or connection.get("AccountName")
+            or connection_string_account(environ.get("AZURE_STORAGE_CONNECTION_STRING", ""))
         )
         if not account:
             raise UsageError(

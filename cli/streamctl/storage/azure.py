@@ -1,10 +1,9 @@
 """Azure Blob Storage (block blobs) through azure-storage-blob.
 
 URLs: `az://CONTAINER/PREFIX` (account from StorageOptions.azure_account, else AZURE_STORAGE_ACCOUNT_NAME, else
-the connection string) or `https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX`. Authentication, first
-that applies (storage/azure_auth.py): AZURE_STORAGE_CONNECTION_STRING (when its account is the one asked for),
-an account key (AZURE_STORAGE_KEY or AZURE_STORAGE_ACCOUNT_KEY), a SAS token (AZURE_STORAGE_SAS_TOKEN), else
-Microsoft Entra ID through azure.identity.DefaultAzureCredential (`az login`, managed identity, workload identity...).
+the connection string) or `https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX`. Which credential applies
+(connection string, account key, SAS token, else DefaultAzureCredential: `az login`, managed identity, workload
+identity...) is storage/azure_auth.py's rule.
 
 Multipart uploads stage blocks (`stage_block`, any order, any thread) and commit the block list in index
 order. Abort needs no request: staged but uncommitted blocks are never readable or listed, the next commit

@@ -34,10 +34,9 @@ def connection_string_fields(connection_string: str) -> dict[str, str]:
 
 
 def connection_string_account(connection_string: str) -> str | None:
-    accounts = [
-        value for name, value in connection_string_fields(connection_string).items() if name.lower() == "accountname"
-    ]
-    return accounts[0] if accounts and accounts[0] else None
+    """The AccountName field, however its name is capitalised."""
+    fields = connection_string_fields(connection_string).items()
+    return next((value for name, value in fields if name.lower() == "accountname" and value), None)
 
 
 def choose_auth(url_account: str | None, option_account: str | None, environ: Mapping[str, str]) -> AzureAuth:

@@ -20,8 +20,9 @@ retry the operation (retry.py) up to the store's attempts, each with a fresh dea
 `cut_all()` cuts every request in flight at once: Ctrl-C and failed runs call it, so worker threads blocked
 on a silent server end now rather than at their deadlines.
 
-Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and
-STREAMCTL_DEADLINE_FLOOR_BPS here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a backend installs its hook.
+Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and STREAMCTL_DEADLINE_FLOOR_BPS
+here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a
+backend installs its hook.
 """
 
 from __future__ import annotations
