@@ -10,7 +10,7 @@ import pytest
 
 from fakehub import FakeHub, FakeRepo, git_blob_sha1
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
-from streamctl.storage import Location, StorageOptions, open_location, parse_url
+from streamctl.storage import Location, StorageOptions, deadlines, open_location, parse_url
 from streamctl.storage.hf import HfStore
 
 MiB = 1024 * 1024
@@ -477,3 +477,73 @@ def test_parallel_ranged_reads(fake_hub: FakeHub) -> None:
     assert b"".join(results[("w.safetensors", i)] for i in range(16)) == data
     assert results[("small.json", 0)] + results[("small.json", 1)] == data[:5000]
     assert fake_hub.count("/revision/") == 1
+
+
+# -- bodies received straight into the caller's buffer ----------------------------------------------------------
+
+
+def test_read_range_into_receives_large_bodies_straight_into_the_buffer(
+    fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts of a large file, on threads: every byte right, and after httpx's first piece each body came
+    through the direct path (the socket handed out), on connections that are then not reused out of step."""
+    data = hashlib.sha256(b"direct").digest() * (8 * MiB // 32) + b"tail"  # 8 MiB + 4 bytes
+    fake_hub.add_repo("org/big", {"w.safetensors": data})
+    store = store_of("hf://org/big")
+    handed: list[bool] = []
+    body_socket = deadlines.body_socket
+
+    def spy(response: object, delivered: int) -> object:
+        sock = body_socket(response, delivered)
+        handed.append(sock is not None)
+        return sock
+
+    monkeypatch.setattr(deadlines, "body_socket", spy)
+    part = 2 * MiB
+    buffers = {start: bytearray(part) for start in range(0, len(data), part)}
+
+    def read(start: int) -> int:
+        return store.read_range_into("w.safetensors", start, memoryview(buffers[start]))
+
+    threads = [threading.Thread(target=read, args=(start,)) for start in buffers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert b"".join(bytes(buffers[start]) for start in sorted(buffers))[: len(data)] == data
+    assert handed == [True] * 4  # each full part; the 4-byte tail is all in httpx's first piece
+    # The same store goes on reading (pooled connections of finished bodies, fresh ones for the rest).
+    again = bytearray(3 * MiB)
+    assert store.read_range_into("w.safetensors", 5, memoryview(again)) == 3 * MiB
+    assert bytes(again) == data[5 : 5 + 3 * MiB]
+    assert store.read_range("w.safetensors", len(data) - 10, 100) == data[-10:]
+
+
+@pytest.mark.parametrize(
+    ("pieces", "body_bytes"),
+    [
+        ([b"HTTP/1.1 206 Partial Content\r\nContent-Length: 9\r\n\r\nabc"], 3),
+        ([b"HTTP/1.1 206 OK\r\nContent-", b"Length: 9\r", b"\n\r", b"\nab", b"cdef"], 6),  # the head split anywhere
+        ([b"HTTP/1.1 200 OK\nContent-Length: 5\n\nab"], 2),  # bare LF line endings, which h11 accepts too
+        ([b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 206 OK\r\nContent-Length: 4\r\n\r\nxy"], 2),
+        ([b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\n", b"1234"], 4),
+        ([b"HTTP/1.1 101 Switching Protocols\r\n\r\nraw"], 3),  # 101 is a final head
+    ],
+)
+def test_response_bytes_counts_the_body_after_the_final_head(pieces: list[bytes], body_bytes: int) -> None:
+    exchange = deadlines.ResponseBytes()
+    for piece in pieces:
+        exchange.received(piece)
+    assert exchange.head is None
+    assert exchange.body_bytes == body_bytes
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [[b"HTTP/1.1 206 OK\r\nContent-Length: 9\r\n"], [b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"], []],
+)
+def test_response_bytes_knows_no_body_before_the_final_head_ends(pieces: list[bytes]) -> None:
+    exchange = deadlines.ResponseBytes()
+    for piece in pieces:
+        exchange.received(piece)
+    assert exchange.head is not None  # body_socket hands out nothing then

@@ -9,7 +9,8 @@ tell the scope when each HTTP request starts and which socket carries it:
   - urllib3 (botocore for S3; requests for GCS and Azure): `HTTPConnectionPool._make_request` starts a
     request on a connection, `_put_conn` ends it when the connection goes back to the pool;
   - httpx (huggingface_hub): a transport wrapper starts each request, a network-backend wrapper reports the
-    socket of every read and write.
+    socket of every read and write (and counts what each response has delivered, so `body_socket` can hand
+    the rest of a large body to a direct `recv_into`).
 One watchdog thread shuts down (`shutdown(SHUT_RDWR)`, at the C level, so TLS sockets too) the socket of any
 request past its deadline: the SDK's blocked read returns at once with an error the SDK cannot retry into a
 hang, because the next request that scope starts is refused (`_Refused`, a BaseException that SDK retry
@@ -31,12 +32,13 @@ import _socket
 import heapq
 import itertools
 import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamctl.errors import DeadlineExceededError, RemoteError
@@ -355,6 +357,60 @@ def _response_socket(response: Any) -> socket.socket | None:
     return sock if isinstance(sock, socket.socket) else None
 
 
+# The end of a response head as h11 finds it (it accepts bare LF line endings too).
+_HEAD_END = re.compile(rb"\n\r?\n")
+
+
+@dataclass
+class ResponseBytes:
+    """What one connection's wrapper has handed httpx since its last request went out: the response head
+    while it is incomplete, then a count of the body bytes after it (interim 1xx heads skipped)."""
+
+    head: bytearray | None = field(default_factory=bytearray)
+    body_bytes: int = 0
+
+    def received(self, data: bytes) -> None:
+        if self.head is None:
+            self.body_bytes += len(data)
+            return
+        self.head += data
+        start = 0
+        while (end := _HEAD_END.search(self.head, start)) is not None:
+            status = self.head[start : start + 12].split(b" ")
+            if len(status) > 1 and status[1][:1] == b"1" and status[1] != b"101":
+                start = end.end()  # 100 Continue, 103 Early Hints: the final head follows
+                continue
+            self.body_bytes, self.head = len(self.head) - end.end(), None
+            return
+
+
+def body_socket(response: Any, delivered: int) -> socket.socket | None:
+    """The socket the rest of an httpx response's body can be read from directly (`recv_into`, no copy in
+    Python), when that is provably the same bytes: an HTTP/1.1 body of known length, not encoded, whose
+    connection's wrapper has handed httpx exactly the `delivered` body bytes (h11 holds none back), read
+    from a plain TCP socket or a TLS socket that is the connection's only TLS layer (never TLS inside a
+    proxy's TLS). None otherwise: the caller reads the body through httpx. httpcore closes a connection
+    whose body it did not see to the end, so it is never reused out of step."""
+    headers = response.headers
+    if (
+        response.http_version != "HTTP/1.1"
+        or "content-length" not in headers
+        or "transfer-encoding" in headers
+        or headers.get("content-encoding", "identity").lower() != "identity"
+    ):
+        return None
+    stream = response.extensions.get("network_stream")
+    exchange = getattr(stream, "exchange", None)
+    if not isinstance(exchange, ResponseBytes) or exchange.head is not None or exchange.body_bytes != delivered:
+        return None
+    import ssl  # loaded already wherever httpx is
+
+    sock, tls = stream.get_extra_info("socket"), stream.get_extra_info("ssl_object")
+    if isinstance(sock, ssl.SSLSocket):
+        return sock if tls is not None and tls is getattr(sock, "_sslobj", None) else None
+    return sock if type(sock) is socket.socket and tls is None else None
+
+
 def httpx_transport(httpx: Any, httpcore: Any, inner: Any) -> Any:
     """Wrap an httpx HTTPTransport so each request inside a scope is timed and its sockets reported."""
     pool = getattr(inner, "_pool", None)
@@ -405,14 +461,17 @@ def _network_backend(httpcore: Any, inner: Any) -> Any:
     class Stream(httpcore.NetworkStream):
         def __init__(self, stream: Any) -> None:
             self._stream = stream
+            self.exchange = ResponseBytes()
 
         def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
             report(self._stream)
             data: bytes = self._stream.read(max_bytes, timeout)
+            self.exchange.received(data)
             return data
 
         def write(self, buffer: bytes, timeout: float | None = None) -> None:
             report(self._stream)
+            self.exchange = ResponseBytes()  # a request goes out: what comes back next is its response
             self._stream.write(buffer, timeout)
 
         def close(self) -> None:
