@@ -13,6 +13,8 @@ What it speaks (huggingface_hub 2.x, see /work/shared/specs/transfer-and-test-se
 - errors carry `X-Error-Code`: RepoNotFound, RevisionNotFound, EntryNotFound, GatedRepo; a bad token gets a 401
   with `X-Error-Message: Invalid credentials in Authorization header`, as on the real hub.
 
+TLS: `serve_cdn_over_tls(context)` redirects LFS downloads to a CDN origin speaking HTTPS (until `reset()`).
+
 Fault knobs: `fail()` (503 / connection reset / truncated body for the next N matching requests), `corrupt()`
 (serve a file with one byte flipped), and a thread-safe log of every request (line + headers) with `count()`.
 """
@@ -23,6 +25,7 @@ import hashlib
 import io
 import json
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -286,14 +289,17 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, hub: FakeHub, role: Role) -> None:
+    def __init__(self, hub: FakeHub, role: Role, tls: ssl.SSLContext | None = None) -> None:
         self.hub = hub
         self.role: Role = role
         super().__init__(("127.0.0.1", 0), _Handler)
+        if tls is not None:  # the handshake happens in accept(), on the serving thread
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
+        self.scheme = "http" if tls is None else "https"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self.server_address[1]}"
 
     def handle_error(self, request: object, client_address: object) -> None:
         if isinstance(sys.exc_info()[1], ConnectionError):
@@ -350,6 +356,8 @@ class FakeHub:
         self._hub = _Server(self, "hub")
         self._cdn = _Server(self, "cdn")
         self._threads: list[threading.Thread] = []
+        self._tls_cdn: _Server | None = None  # started by serve_cdn_over_tls, kept until stop()
+        self._redirect_to = self._cdn  # the CDN origin LFS downloads are redirected to
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -360,7 +368,19 @@ class FakeHub:
 
     @property
     def cdn_endpoint(self) -> str:
-        return self._cdn.url
+        return self._redirect_to.url
+
+    def serve_cdn_over_tls(self, context: ssl.SSLContext) -> str:
+        """Until `reset()`, redirect LFS downloads to a second CDN origin that speaks TLS with `context` (the
+        same blobs, faults and request log, role "cdn"); returns its URL."""
+        with self._lock:
+            if self._tls_cdn is None:
+                self._tls_cdn = _Server(self, "cdn", context)
+                threading.Thread(
+                    target=self._tls_cdn.serve_forever, args=(0.05,), name="fakehub-cdn-tls", daemon=True
+                ).start()
+            self._redirect_to = self._tls_cdn
+            return self._tls_cdn.url
 
     def start(self) -> FakeHub:
         with self._lock:
@@ -374,6 +394,10 @@ class FakeHub:
         return self
 
     def stop(self) -> None:
+        if self._tls_cdn is not None:
+            self._tls_cdn.shutdown()
+            self._tls_cdn.server_close()
+            self._tls_cdn = None
         for server in (self._hub, self._cdn):
             if self._threads:
                 server.shutdown()
@@ -392,6 +416,7 @@ class FakeHub:
             self.page_size = DEFAULT_PAGE_SIZE
             self.redirect_lfs = True
             self.honor_range = True
+            self._redirect_to = self._cdn
 
     # -- building repos ----------------------------------------------------------------------------------------
 

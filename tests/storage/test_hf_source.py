@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import ssl
 import threading
 from pathlib import Path
 
@@ -517,6 +519,77 @@ def test_read_range_into_receives_large_bodies_straight_into_the_buffer(
     assert store.read_range_into("w.safetensors", 5, memoryview(again)) == 3 * MiB
     assert bytes(again) == data[5 : 5 + 3 * MiB]
     assert store.read_range("w.safetensors", len(data) - 10, 100) == data[-10:]
+
+
+def _self_signed_certificate(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 (its IP in subjectAltName, as hostname checks need) and its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cdn.pem", folder / "cdn.key"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+def test_read_range_into_over_tls_receives_the_body_from_the_tls_socket(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CDN over HTTPS, as the real hub's is: the direct path reads the TLS socket (decrypted bytes, right
+    ones), and a body cut short over TLS resumes where it stopped."""
+    from huggingface_hub import close_session
+
+    cert, key = _self_signed_certificate(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    assert fake_hub.serve_cdn_over_tls(context).startswith("https://127.0.0.1:")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # what httpx's default context trusts
+    close_session()  # the next client is built with it
+    try:
+        data = hashlib.sha256(b"tls").digest() * (3 * MiB // 32) + b"end"
+        fake_hub.add_repo("org/tls", {"w.safetensors": data})
+        store = store_of("hf://org/tls")
+        handed: list[object] = []
+        body_socket = deadlines.body_socket
+
+        def spy(response: object, delivered: int) -> object:
+            sock = body_socket(response, delivered)
+            handed.append(sock)
+            return sock
+
+        monkeypatch.setattr(deadlines, "body_socket", spy)
+        buffer = bytearray(len(data))
+        assert store.read_range_into("w.safetensors", 0, memoryview(buffer)) == len(data)
+        assert bytes(buffer) == data
+        assert len(handed) == 1 and isinstance(handed[0], ssl.SSLSocket)
+        fake_hub.fail("w.safetensors", kind="truncate", role="cdn")
+        again = bytearray(len(data) - 7)
+        assert store.read_range_into("w.safetensors", 7, memoryview(again)) == len(data) - 7
+        assert bytes(again) == data[7:]
+        assert fake_hub.count("w.safetensors", role="cdn", method="GET") == 3  # 1, then 2: cut and resumed
+    finally:
+        close_session()  # later tests get a client without this test's certificate
 
 
 @pytest.mark.parametrize(
