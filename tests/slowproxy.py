@@ -5,7 +5,9 @@ request can be judged by its method and path. A matching request gets one of the
   "silent"      the connection is accepted and the request read, but nothing is ever answered;
   "slow_head"   the upstream answer, from its first byte, one byte every `interval_s`;
   "dribble"     the upstream headers at once, then the body one byte every `interval_s`;
-  "steady"      the upstream answer at `rate_bps` bytes per second, in small even steps (slow but healthy).
+  "steady"      the upstream answer at `rate_bps` bytes per second, in small even steps (slow but healthy);
+  "cut"         the upstream headers and the first `cut_bytes` of the body at once, then the connection shut
+                down and reset, as a load balancer dropping it mid-body.
 Other requests are passed through unchanged.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import re
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -50,6 +53,7 @@ class SlowProxy:
     mode: str = "dribble"
     interval_s: float = 0.5
     rate_bps: int = 256 * 1024
+    cut_bytes: int = 64 * 1024
     port: int = 0
     hits: int = 0  # requests answered slowly (or not at all)
     requests: int = 0
@@ -59,7 +63,7 @@ class SlowProxy:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> SlowProxy:
-        assert self.mode in ("silent", "slow_head", "dribble", "steady"), self.mode
+        assert self.mode in ("silent", "slow_head", "dribble", "steady", "cut"), self.mode
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -132,6 +136,11 @@ class SlowProxy:
             if self.mode == "dribble":
                 client.sendall(answer_head)
                 self._trickle(client, body, 1, self.interval_s)
+            elif self.mode == "cut":
+                client.sendall(answer_head + body[: self.cut_bytes])
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                # Now, not at close(): the request pump's recv on this socket would hold it open until then.
+                client.shutdown(socket.SHUT_RDWR)
             elif self.mode == "slow_head":
                 self._trickle(client, answer_head + body, 1, self.interval_s)
             else:  # steady

@@ -423,6 +423,45 @@ def copy_into(buffer: memoryview, data: bytes) -> int:
     return count
 
 
+def receive_body_into(raw: object, buffer: memoryview) -> int | None:
+    """A urllib3 response's whole body (botocore's `StreamingBody._raw_stream`, requests' `Response.raw`)
+    received straight into `buffer` through the http.client response under it (`readinto`: the kernel
+    copies into place, no bytes object per part), when that is provably the body as sent: nothing of it read
+    yet, not content-encoded, and a Content-Length that fits `buffer`. None otherwise (nothing was read:
+    the caller reads it its usual way). Reading 16 MiB parts from moto: 1.0 -> 0.4 CPU s/GB.
+
+    The connection goes back to its pool when the body was read to its end, and is closed otherwise.
+    ConnectionError (an OSError, which every store counts as a network failure worth a retry) when the body
+    ends before its Content-Length."""
+    import http.client
+
+    fp = getattr(raw, "_fp", None)
+    headers = getattr(raw, "headers", None)
+    tell = getattr(raw, "tell", None)
+    if not isinstance(fp, http.client.HTTPResponse) or headers is None or tell is None or tell() != 0:
+        return None
+    if (headers.get("content-encoding") or "identity").lower() != "identity" or fp.chunked:
+        return None
+    length = fp.length
+    if length is None or length > len(buffer):
+        return None
+    filled = 0
+    try:
+        while filled < length:
+            received = fp.readinto(buffer[filled:length])
+            if not received:
+                raise ConnectionError(f"the response body ended {length - filled:,} bytes before its Content-Length")
+            filled += received
+    except http.client.HTTPException as error:
+        raise ConnectionError(f"the response body was cut short: {error}") from error
+    finally:
+        if fp.isclosed():  # read to its end: the connection is clean for the next request
+            raw.release_conn()  # type: ignore[attr-defined]
+        else:
+            raw.close()  # type: ignore[attr-defined]
+    return filled
+
+
 def read_small_object(location: Location, name: str, size: int, limit: int) -> bytes:
     """The whole object `name` (listed as `size` bytes) of `location` in one request, for small JSON such as
     an index or a config. Raises SmallObjectError (see there); NotFoundError (gone since the listing) and

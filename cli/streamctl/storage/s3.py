@@ -26,6 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import boto3
 import botocore.exceptions as bce
 from botocore.config import Config
+from botocore.response import StreamingBody
 
 from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
@@ -40,6 +41,7 @@ from streamctl.storage.base import (
     content_type_for,
     copy_into,
     parse_temporary_key,
+    receive_body_into,
     temporary_key,
 )
 from streamctl.storage.url import ParsedURL
@@ -406,7 +408,30 @@ class S3Store(_errors.CloudRequests):
         return data
 
     def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
-        return copy_into(buffer, self.read_range(key, start, len(buffer)))
+        length = len(buffer)
+        if _errors.is_empty_range(start, length, lambda: self.stat(key)):
+            return 0
+        with self._guard(Op.READ, key):
+            client = self._client
+
+            def get() -> int:
+                response = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+                body = response["Body"]
+                # The range itself, straight into place when provable; never past a body that checks a
+                # checksum as it is read (botocore's subclasses of StreamingBody).
+                if response.get("ContentRange") and type(body) is StreamingBody:
+                    received = receive_body_into(getattr(body, "_raw_stream", None), buffer)
+                    if received is not None:
+                        return received
+                data = body.read()  # the body inside the deadline too
+                return copy_into(buffer, data if response.get("ContentRange") else data[start : start + length])
+
+            try:
+                return self._call(key, get, length)
+            except bce.ClientError as error:
+                if _client_error_status(error)[0] == 416:
+                    return 0  # the range starts at or after the end of the object
+                raise
 
     def put(
         self, key: str, data: bytes, metadata: Mapping[str, str] | None = None, content_type: str | None = None
