@@ -423,6 +423,19 @@ def copy_into(buffer: memoryview, data: bytes) -> int:
     return count
 
 
+DIRECT_READ_LIMIT = 64 * 1024 * 1024  # read_range sizes served through read_range_into (bounded allocation)
+
+
+def read_through_buffer(read_into: Callable[[memoryview], int], length: int) -> bytes:
+    """`read_range` by way of `read_range_into` (for stores whose into-path skips the SDK's own copies):
+    `length` bytes at most, as many as `read_into` filled."""
+    buffer = bytearray(length)
+    with memoryview(buffer) as view:
+        filled = read_into(view)
+    del buffer[filled:]
+    return bytes(buffer)
+
+
 def receive_body_into(raw: object, buffer: memoryview) -> int | None:
     """A urllib3 response's whole body (botocore's `StreamingBody._raw_stream`, requests' `Response.raw`)
     received straight into `buffer` through the http.client response under it (`readinto`: the kernel

@@ -44,6 +44,7 @@ from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, Us
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line
 from streamctl.storage.base import (
+    DIRECT_READ_LIMIT,
     HeldPart,
     ObjectInfo,
     StorageOptions,
@@ -52,6 +53,7 @@ from streamctl.storage.base import (
     copy_into,
     new_temporary_token,
     parse_temporary_key,
+    read_through_buffer,
     receive_body_into,
     temporary_key,
 )
@@ -365,6 +367,8 @@ class GCSStore(_errors.CloudRequests):
             return self._info(key, blob)
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        if 0 <= length <= DIRECT_READ_LIMIT:  # the SDK's download path costs 6x the CPU (from the emulator)
+            return read_through_buffer(lambda view: self.read_range_into(key, start, view), length)
         if _errors.is_empty_range(start, length, lambda: self.stat(key)):
             return b""
         with self._guard(Op.READ, key):

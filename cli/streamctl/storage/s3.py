@@ -32,6 +32,7 @@ from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, 
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import (
+    DIRECT_READ_LIMIT,
     TEMPORARY_FOLDER,
     HeldPart,
     MiB,
@@ -41,6 +42,7 @@ from streamctl.storage.base import (
     content_type_for,
     copy_into,
     parse_temporary_key,
+    read_through_buffer,
     receive_body_into,
     temporary_key,
 )
@@ -388,6 +390,8 @@ class S3Store(_errors.CloudRequests):
             return self._info(key, self._call(key, lambda: client.head_object(Bucket=self.bucket, Key=key)))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
+        if 0 <= length <= DIRECT_READ_LIMIT:
+            return read_through_buffer(lambda view: self.read_range_into(key, start, view), length)
         if _errors.is_empty_range(start, length, lambda: self.stat(key)):
             return b""
         with self._guard(Op.READ, key):
