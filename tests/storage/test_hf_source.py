@@ -484,23 +484,29 @@ def test_parallel_ranged_reads(fake_hub: FakeHub) -> None:
 # -- bodies received straight into the caller's buffer ----------------------------------------------------------
 
 
+@pytest.fixture
+def handed(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """What each `deadlines.body_socket` call handed out (a socket, or None: the body stayed with httpx)."""
+    results: list[object] = []
+    body_socket = deadlines.body_socket
+
+    def spy(response: object, delivered: int) -> object:
+        sock = body_socket(response, delivered)
+        results.append(sock)
+        return sock
+
+    monkeypatch.setattr(deadlines, "body_socket", spy)
+    return results
+
+
 def test_read_range_into_receives_large_bodies_straight_into_the_buffer(
-    fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch
+    fake_hub: FakeHub, handed: list[object]
 ) -> None:
     """Parts of a large file, on threads: every byte right, and after httpx's first piece each body came
     through the direct path (the socket handed out), on connections that are then not reused out of step."""
     data = hashlib.sha256(b"direct").digest() * (8 * MiB // 32) + b"tail"  # 8 MiB + 4 bytes
     fake_hub.add_repo("org/big", {"w.safetensors": data})
     store = store_of("hf://org/big")
-    handed: list[bool] = []
-    body_socket = deadlines.body_socket
-
-    def spy(response: object, delivered: int) -> object:
-        sock = body_socket(response, delivered)
-        handed.append(sock is not None)
-        return sock
-
-    monkeypatch.setattr(deadlines, "body_socket", spy)
     part = 2 * MiB
     buffers = {start: bytearray(part) for start in range(0, len(data), part)}
 
@@ -513,7 +519,7 @@ def test_read_range_into_receives_large_bodies_straight_into_the_buffer(
     for thread in threads:
         thread.join()
     assert b"".join(bytes(buffers[start]) for start in sorted(buffers))[: len(data)] == data
-    assert handed == [True] * 4  # each full part; the 4-byte tail is all in httpx's first piece
+    assert [sock is not None for sock in handed] == [True] * 4  # the 4-byte tail is all in httpx's first piece
     # The same store goes on reading (pooled connections of finished bodies, fresh ones for the rest).
     again = bytearray(3 * MiB)
     assert store.read_range_into("w.safetensors", 5, memoryview(again)) == 3 * MiB
@@ -554,7 +560,7 @@ def _self_signed_certificate(folder: Path) -> tuple[Path, Path]:
 
 
 def test_read_range_into_over_tls_receives_the_body_from_the_tls_socket(
-    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, handed: list[object]
 ) -> None:
     """The CDN over HTTPS, as the real hub's is: the direct path reads the TLS socket (decrypted bytes, right
     ones), and a body cut short over TLS resumes where it stopped."""
@@ -570,15 +576,6 @@ def test_read_range_into_over_tls_receives_the_body_from_the_tls_socket(
         data = hashlib.sha256(b"tls").digest() * (3 * MiB // 32) + b"end"
         fake_hub.add_repo("org/tls", {"w.safetensors": data})
         store = store_of("hf://org/tls")
-        handed: list[object] = []
-        body_socket = deadlines.body_socket
-
-        def spy(response: object, delivered: int) -> object:
-            sock = body_socket(response, delivered)
-            handed.append(sock)
-            return sock
-
-        monkeypatch.setattr(deadlines, "body_socket", spy)
         buffer = bytearray(len(data))
         assert store.read_range_into("w.safetensors", 0, memoryview(buffer)) == len(data)
         assert bytes(buffer) == data
