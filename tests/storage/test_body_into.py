@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from slowproxy import SlowProxy
-from streamctl.errors import RemoteError
+from streamctl.errors import RemoteError, UsageError
 from streamctl.storage import StorageOptions, gcs, open_location, s3
 from streamctl.storage.base import MiB, Store
 
@@ -81,6 +81,9 @@ def test_ranged_reads_land_in_the_buffer_through_the_direct_path(root: str, rece
     assert store.read_range_into(key, len(DATA) - 100, memoryview(tail)) == 100
     assert bytes(tail[:100]) == DATA[-100:] and tail[100:] == b"\xff" * (MiB - 100)
     assert store.read_range_into(key, len(DATA), memoryview(bytearray(10))) == 0  # at the end: nothing
+    for start, length in ((0, -1), (-1, 10)):
+        with pytest.raises(UsageError):
+            store.read_range(key, start, length)
 
 
 def test_a_body_cut_mid_way_fails_or_retries_as_the_sdk_read_does(

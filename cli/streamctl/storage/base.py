@@ -423,12 +423,10 @@ def copy_into(buffer: memoryview, data: bytes) -> int:
     return count
 
 
-DIRECT_READ_LIMIT = 64 * 1024 * 1024  # read_range sizes served through read_range_into (bounded allocation)
-
-
 def read_through_buffer(read_into: Callable[[memoryview], int], length: int) -> bytes:
-    """`read_range` by way of `read_range_into` (for stores whose into-path skips the SDK's own copies):
-    `length` bytes at most, as many as `read_into` filled."""
+    """`read_range` by way of `read_range_into`, for stores whose into-path skips the SDK's own copies:
+    `length` bytes at most, as many as `read_into` filled. (Every caller asks for a size it knows: an
+    object's, a header's, a block's.)"""
     buffer = bytearray(length)
     with memoryview(buffer) as view:
         filled = read_into(view)

@@ -46,7 +46,14 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import deadlines
-from streamctl.storage.base import MiB, ObjectInfo, StorageOptions, UnfinishedUpload, unsafe_path_reason
+from streamctl.storage.base import (
+    MiB,
+    ObjectInfo,
+    StorageOptions,
+    UnfinishedUpload,
+    read_through_buffer,
+    unsafe_path_reason,
+)
 from streamctl.storage.url import ParsedURL, format_hf_url
 
 REPO_TYPES = ("model", "dataset")
@@ -90,21 +97,9 @@ def web_url(repo_type: str, repo_id: str) -> str:
 
 
 @dataclass
-class _Pieces:
-    """read_range's body: the pieces as httpx gave them."""
-
-    pieces: list[bytes]
-
-    def take(self, piece: bytes | int) -> int:
-        assert isinstance(piece, bytes)
-        self.pieces.append(piece)
-        return len(piece)
-
-
-@dataclass
 class _Buffer:
-    """read_range_into's body: pieces httpx gave copied into place, or counts of the bytes `_receive_into`
-    received there itself."""
+    """Where a GET's body goes for read_range_into: pieces httpx gave copied into place, or counts of the
+    bytes `_receive_into` received there itself."""
 
     buffer: memoryview
     filled: int = 0
@@ -119,9 +114,6 @@ class _Buffer:
 
     def free(self, length: int) -> memoryview:
         return self.buffer[self.filled : self.filled + length]
-
-
-_Sink = _Pieces | _Buffer  # where a GET's body goes
 
 
 def _body_left(response: httpx.Response, delivered: int) -> int:
@@ -280,10 +272,9 @@ class HfStore:
     # -- reading -----------------------------------------------------------------------------------------------
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        pieces: list[bytes] = []
-        for _ in self._ranged(key, start, length, None, _Pieces(pieces)):
-            pass
-        return b"".join(pieces)
+        if start < 0 or length < 0:  # before a buffer of `length` is made
+            raise UsageError(f"invalid range {start}+{length}")
+        return read_through_buffer(lambda view: self.read_range_into(key, start, view), length)
 
     def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         # Most of the body is received straight into `buffer` (deadlines.body_socket), the rest copied in
@@ -302,7 +293,9 @@ class HfStore:
             raise UsageError(f"invalid chunk size {chunk_size}")
         return self._ranged(key, start, length, chunk_size, None)
 
-    def _ranged(self, key: str, start: int, length: int, chunk_size: int | None, sink: _Sink | None) -> Iterator[bytes]:
+    def _ranged(
+        self, key: str, start: int, length: int, chunk_size: int | None, sink: _Buffer | None
+    ) -> Iterator[bytes]:
         """iter_range's loop. With a `sink`, every byte of a GET's body goes to it INSIDE that GET's deadline,
         and nothing is yielded: the whole body is timed, and a piece costs no scope entry. Without, chunks are
         yielded and the caller's work between them runs outside the deadline."""
@@ -343,7 +336,7 @@ class HfStore:
             time.sleep(self.retry_wait * 2 ** (failures - 1))
 
     def _stream(
-        self, key: str, start: int, length: int, chunk_size: int | None, sink: _Sink | None = None
+        self, key: str, start: int, length: int, chunk_size: int | None, sink: _Buffer | None = None
     ) -> Generator[bytes | int, None, None]:
         """One ranged GET; status retries (5xx, 429) inside huggingface_hub's back-off, network errors raised.
         Yields the body's bytes; with a sink that takes them directly, the rest of the body once httpx's
@@ -383,10 +376,9 @@ class HfStore:
                         yield chunk
                     if not remaining:
                         return
-                    if isinstance(sink, _Buffer) and not skip and _body_left(response, delivered) > 0:
+                    if sink is not None and not skip and (left := _body_left(response, delivered)):
                         sock = deadlines.body_socket(response, delivered)
                         if sock is not None:
-                            left = _body_left(response, delivered)
                             yield from _receive_into(sock, sink, min(remaining, left), response.request)
                             return
         except _RETRYABLE:

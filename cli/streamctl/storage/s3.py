@@ -32,7 +32,6 @@ from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, 
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import (
-    DIRECT_READ_LIMIT,
     TEMPORARY_FOLDER,
     HeldPart,
     MiB,
@@ -390,26 +389,8 @@ class S3Store(_errors.CloudRequests):
             return self._info(key, self._call(key, lambda: client.head_object(Bucket=self.bucket, Key=key)))
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
-        if 0 <= length <= DIRECT_READ_LIMIT:
-            return read_through_buffer(lambda view: self.read_range_into(key, start, view), length)
-        if _errors.is_empty_range(start, length, lambda: self.stat(key)):
-            return b""
-        with self._guard(Op.READ, key):
-            client = self._client
-
-            def get() -> tuple[dict[str, Any], bytes]:
-                response = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
-                return response, response["Body"].read()  # the body inside the deadline too
-
-            try:
-                response, data = self._call(key, get, length)
-            except bce.ClientError as error:
-                if _client_error_status(error)[0] == 416:
-                    return b""  # the range starts at or after the end of the object
-                raise
-        if not response.get("ContentRange"):
-            data = data[start : start + length]  # some S3-compatible servers ignore Range and send it all
-        return data
+        _errors.check_range(start, length)  # before a buffer of `length` is made
+        return read_through_buffer(lambda view: self.read_range_into(key, start, view), length)
 
     def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
         length = len(buffer)
