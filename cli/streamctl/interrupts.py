@@ -1,7 +1,8 @@
-"""Keeping Ctrl-C from splitting a remote call from the bookkeeping that lets us undo it."""
+"""Interrupts: keeping Ctrl-C from splitting a remote call from its bookkeeping, and one stop flag every wait obeys."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -33,3 +34,30 @@ def shielded_calls() -> Iterator[Shielded]:
             return worker.submit(function).result()
 
         yield run
+
+
+# One process-wide stop flag. The main thread sets it when a signal (SIGINT, SIGTERM) ends the run; every wait
+# a worker thread makes (a backoff, a server's Retry-After) waits on it, so a signal ends those waits at once
+# instead of after them. KeyboardInterrupt alone reaches only the main thread.
+_STOP = threading.Event()
+
+
+def request_stop() -> None:
+    """Ask every wait in every thread to end now (the run is being interrupted or terminated)."""
+    _STOP.set()
+
+
+def stop_requested() -> bool:
+    return _STOP.is_set()
+
+
+def clear_stop() -> None:
+    """Forget an earlier stop request: for a process that runs several commands (the tests)."""
+    _STOP.clear()
+
+
+def wait_or_stop(seconds: float) -> bool:
+    """Sleep up to `seconds`; True when a stop was requested (at once, or during the wait)."""
+    if seconds <= 0:
+        return _STOP.is_set()
+    return _STOP.wait(seconds)
