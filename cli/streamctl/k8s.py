@@ -1,6 +1,6 @@
 """Kubernetes manifests as plain data (serve's Deployment and Service, transfer's Job or Indexed Job), the
-policy that sizes them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets, and a small
-YAML writer."""
+policy that sizes them for the pod (GPUs, memory, /dev/shm, probes) and refuses clear-text secrets and local
+locations, and a small YAML writer. Their names and the checks of the user's names: k8s_names.py."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from streamctl.errors import UsageError
-from streamctl.redact import has_credentials, mask_credentials
+from streamctl.k8s_names import check_manifest_names, derived_name, normalized_location
+from streamctl.redact import has_credentials, mask_credentials, printable
 from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, staging_bytes
 from streamctl.serve.vllm_args import secret_values
+from streamctl.storage.schemes import SCHEMES
+from streamctl.storage.url import parse_url
 
 SECRET_HINT = (
     "a manifest is readable by everyone who can read the Deployment or Job: put the value in a Kubernetes "
@@ -116,10 +119,28 @@ def to_yaml(value: object, indent: int = 0) -> str:
     return pad + _scalar(value) + "\n"
 
 
-def k8s_name(text: str, limit: int = 63) -> str:
-    """A DNS-1123 label derived from free text (repo ids, bucket paths)."""
-    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
-    return (name[:limit].rstrip("-")) or "streamctl"
+SOURCE_ANNOTATION = "streamctl.io/source"  # the whole location a derived name stands for
+DEST_ANNOTATION = "streamctl.io/dest"
+
+
+def refuse_pod_local(mode: str, role: str, location: str) -> None:
+    """UsageError for a location on this machine's file system (a plain path or file://, by the scheme
+    table): a pod has a file system of its own, so it would read nothing there, or write a copy that
+    vanishes with the pod."""
+    if not SCHEMES[parse_url(location).scheme].local:
+        return
+    shown = printable(location)
+    why = "the pod cannot read this machine's files"
+    hint = f"copy it into a bucket first (streamctl transfer {shown} s3://BUCKET/PREFIX), then give that prefix"
+    if role == "DEST":
+        why = "the pod would write the copy into its own file system, which is gone with the pod"
+        fix = "give a bucket prefix (s3://, gs://, az://) as DEST"
+        hint = "to copy into a folder here, run the transfer here, without --k8s-job"
+    elif role == "SOURCE":
+        fix = "give a Hub repo (hf://ORG/NAME) or a bucket prefix as SOURCE"
+    else:
+        fix = "serve a bucket prefix"
+    raise UsageError(f"{mode}: {role} {shown!r} is a local path: {why}; {fix}", hint=hint, code="local-location")
 
 
 IMAGE_HINT = (
@@ -167,10 +188,21 @@ def _indexed_spec(parallelism: int) -> dict[str, object]:
     }
 
 
+def check_transfer_job(
+    source: str, dest: str, *, namespace: str, service_account: str | None, secret: str | None
+) -> None:
+    """UsageError for a local SOURCE or DEST (the pod cannot see this machine's files) or a name option
+    Kubernetes would refuse: what `transfer --k8s-job` checks before anything else."""
+    refuse_pod_local("--k8s-job", "SOURCE", source)
+    refuse_pod_local("--k8s-job", "DEST", dest)
+    check_manifest_names(namespace=namespace, service_account=service_account, secret=secret)
+
+
 def transfer_job(
+    source: str,
+    dest: str,
     arguments: Sequence[str],
     *,
-    name: str,
     namespace: str,
     image: str | None,
     version: str,
@@ -178,18 +210,25 @@ def transfer_job(
     secret: str | None,
     env: Mapping[str, str],
     parallelism: int | None = None,
+    revision: str | None = None,
 ) -> dict[str, object]:
-    """A Job that runs `streamctl transfer ARGUMENTS` in the cluster, next to the bucket; with `parallelism`
-    N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.shares).
+    """A Job that runs `streamctl transfer SOURCE DEST ARGUMENTS` in the cluster, next to the bucket; with
+    `parallelism` N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.shares).
+    Its name is derived from both locations (k8s_names.derived_name; a Hub SOURCE with `revision`, the
+    --revision among ARGUMENTS), which its annotations hold.
 
-    Re-runs are cheap (finished objects are skipped), so the Job may retry freely. UsageError without an
-    `image` (no package index serves streamctl: the image is built from the repository's Dockerfile)."""
-    refuse_clear_text_credentials([arguments, env])
+    Re-runs are cheap (finished objects are skipped), so the Job may retry freely. UsageError as
+    check_transfer_job says, or without an `image` (no package index serves streamctl: the image is built
+    from the repository's Dockerfile)."""
+    check_transfer_job(source, dest, namespace=namespace, service_account=service_account, secret=secret)
+    refuse_clear_text_credentials([[source, dest, *arguments], env])
     if not image:
         raise UsageError(
             "--k8s-job needs --image: an image with streamctl installed", hint=IMAGE_HINT.format(version=version)
         )
-    container = _job_container(arguments, image, parallelism, secret, env)
+    places = {SOURCE_ANNOTATION: normalized_location(source, revision), DEST_ANNOTATION: normalized_location(dest)}
+    name = derived_name("streamctl-transfer", *places.values())
+    container = _job_container([source, dest, *arguments], image, parallelism, secret, env)
     # Never: a failed pod is replaced by a new one (what per-index retries and the failure policy require).
     pod_spec: dict[str, object] = {
         "restartPolicy": "OnFailure" if parallelism is None else "Never",
@@ -201,7 +240,12 @@ def transfer_job(
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "streamctl"}},
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "streamctl"},
+            "annotations": places,
+        },
         "spec": {
             **spec,
             "ttlSecondsAfterFinished": 86400,
@@ -228,6 +272,18 @@ class ServeManifestOptions:
     accelerator: str | None = None  # GKE accelerator type, e.g. nvidia-l4
     secret: str | None = None  # a Secret whose keys become environment variables
 
+    def validate(self, model: str) -> None:
+        """UsageError for a local `model` (the pod cannot read it) or a name Kubernetes would refuse: what
+        `serve --k8s` checks before anything else (the pre-flight included)."""
+        refuse_pod_local("--k8s", "MODEL", model)
+        check_manifest_names(
+            namespace=self.namespace,
+            name=self.name,
+            service_account=self.service_account,
+            secret=self.secret,
+            accelerator=self.accelerator,
+        )
+
 
 def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
     """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
@@ -248,12 +304,16 @@ def pod_shm_bytes(tensor_parallel_size: int) -> int:
 def serve_pod_manifests(
     plan: LaunchPlan, facts: CheckpointFacts | None, options: ServeOptions, kubernetes: ServeManifestOptions
 ) -> list[dict[str, object]]:
-    """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host."""
+    """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host; named
+    `--name` or after the model's location (k8s_names.derived_name), which their annotation holds."""
+    kubernetes.validate(options.model)
+    source = normalized_location(options.model)
     tp = options.tensor_parallel_size
     return serve_manifests(
         plan.argv,
         plan.env,
-        name=kubernetes.name or k8s_name(f"vllm-{options.model.rstrip('/').rsplit('/', 1)[-1]}"),
+        name=kubernetes.name or derived_name("vllm", source),
+        source=source,
         namespace=kubernetes.namespace,
         image=kubernetes.image or DEFAULT_VLLM_IMAGE,
         tensor_parallel_size=tp,
@@ -328,6 +388,7 @@ def serve_manifests(
     env: Mapping[str, str],
     *,
     name: str,
+    source: str | None = None,
     namespace: str,
     image: str,
     tensor_parallel_size: int,
@@ -345,6 +406,9 @@ def serve_manifests(
     """
     refuse_clear_text_secrets(argv, env)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
+    metadata: dict[str, object] = {"name": name, "namespace": namespace, "labels": labels}
+    if source is not None:  # the model's whole location, which a derived name is cut and hashed from
+        metadata["annotations"] = {SOURCE_ANNOTATION: source}
     container = _vllm_container(
         argv,
         env,
@@ -365,7 +429,7 @@ def serve_manifests(
     deployment: dict[str, object] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": metadata,
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
@@ -375,7 +439,7 @@ def serve_manifests(
     service: dict[str, object] = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "metadata": {**metadata},
         "spec": {
             "selector": {"app.kubernetes.io/name": name},
             "ports": [{"name": "http", "port": VLLM_PORT, "targetPort": VLLM_PORT}],

@@ -73,9 +73,10 @@ REFUSED = {
         ["serve", "{model}", "--tune", "--concurrency", "4", "--dry-run"],
         "--concurrency and --tune together",
     ),
-    "serve --k8s --json": (["serve", "{model}", "--k8s", "--json"], "--k8s and --json together"),
+    # (a manifest's model, SOURCE and DEST are in buckets or the Hub: a local one is refused first)
+    "serve --k8s --json": (["serve", "s3://bkt/m", "--k8s", "--json"], "--k8s and --json together"),
     "transfer --k8s-job --dry-run": (
-        ["transfer", "{model}", "s3://b/m", "--k8s-job", "--dry-run"],
+        ["transfer", "org/m", "s3://bkt/m", "--k8s-job", "--dry-run"],
         "--k8s-job and --dry-run together",
     ),
     "transfer --all-files --include": (
@@ -83,7 +84,7 @@ REFUSED = {
         "--all-files and --include together",
     ),
     "transfer --k8s-job --json": (
-        ["transfer", "{model}", "s3://b/m", "--k8s-job", "--json"],
+        ["transfer", "org/m", "s3://bkt/m", "--k8s-job", "--json"],
         "--k8s-job and --json together",
     ),
     "verify -tp --not-sharded": (
@@ -150,14 +151,17 @@ def test_ambient_environment_variables_are_not_complaints(model: str, tmp_path: 
     assert "warning" not in result.stderr and "error" not in result.stderr
 
 
-def test_options_for_a_location_in_the_command_are_accepted(model: str) -> None:
+def test_options_for_a_location_in_the_command_are_accepted() -> None:
+    # in buckets and the Hub: a manifest refuses local folders (its pods cannot see them)
     result = run_cli(
-        "transfer", model, "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job",
+        "transfer", "org/model", "s3://bucket/m", "--endpoint-url", "http://127.0.0.1:9", "--path-style", "--k8s-job",
         "--image", "registry.example/streamctl:0.1.0",
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     assert "--endpoint-url=http://127.0.0.1:9" in result.stdout and "warning" not in result.stderr
-    assert run_cli("serve", model, "--k8s", "--namespace", "ml").exit_code == 0
+    serve = run_cli("serve", "s3://bucket/m", "--no-preflight", "--not-sharded", "--k8s", "--namespace", "ml",
+                    "--endpoint-url", "http://127.0.0.1:9", "--path-style")  # fmt: skip
+    assert serve.exit_code == 0, serve.stderr
 
 
 @pytest.mark.parametrize("flag", ["-tp", "-pp"])

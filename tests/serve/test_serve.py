@@ -340,13 +340,14 @@ def test_secrets_never_printed(demo_model: Path, s3_root: str, storage_env: dict
     assert "***" in outputs[0] and "***" in outputs[1]
 
 
-def test_k8s_manifests_match_the_kubernetes_schema(demo_model: Path) -> None:
+def test_k8s_manifests_match_the_kubernetes_schema(demo_model: Path, s3_root: str, storage_env: dict[str, str]) -> None:
     import yaml
     from kubernetes import client
 
+    _upload(demo_model, s3_root)  # a manifest's model is in a bucket: the pod cannot read this machine's files
     result = run_cli(
         "serve",
-        str(demo_model),
+        s3_root,
         "--k8s",
         "-tp",
         "2",
@@ -359,6 +360,7 @@ def test_k8s_manifests_match_the_kubernetes_schema(demo_model: Path) -> None:
         "--",
         "--max-model-len",
         "2048",
+        env=storage_env,
     )
     assert result.exit_code == 0, result.stderr
     documents = list(yaml.safe_load_all(result.stdout))

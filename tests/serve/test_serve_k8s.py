@@ -3,6 +3,7 @@ parsed values (issue 11: a parsed value is never encoded into the environment an
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -54,7 +55,8 @@ def test_pod_manifest_follows_the_plan(tp: int, shm: str) -> None:
     pod = deployment["spec"]["template"]["spec"]  # type: ignore[index]
     container = pod["containers"][0]
     assert deployment["metadata"] == service["metadata"]
-    assert deployment["metadata"]["name"] == "vllm-qwen3-8b"  # type: ignore[index]
+    # named after the model, with a hash of its whole location (another bucket's Qwen3-8B is another name)
+    assert re.fullmatch(r"vllm-qwen3-8b-[0-9a-f]{8}", deployment["metadata"]["name"])  # type: ignore[arg-type,index]
     assert deployment["metadata"]["namespace"] == "ml"  # type: ignore[index]
     assert container["image"] == "vllm/vllm-openai:v0.33.0"
     assert container["resources"]["limits"] == {"nvidia.com/gpu": str(tp)}
@@ -66,7 +68,7 @@ def test_pod_manifest_follows_the_plan(tp: int, shm: str) -> None:
 
 
 def test_without_the_preflight_the_pod_requests_no_memory() -> None:
-    options = ServeOptions(model="/m", memory_limit=GiB)
+    options = ServeOptions(model="s3://bkt/m", memory_limit=GiB)
     plan = plan_launch(options, None, sharded=False, environ={}, cuda_available=True, host_memory_bytes=None)
     (deployment, _service) = serve_pod_manifests(plan, None, options, ServeManifestOptions())
     container = deployment["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]

@@ -14,7 +14,6 @@ from cli_helpers import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "registry.example/streamctl:0.1.0"
-NO_ENDPOINT = {"AWS_ENDPOINT_URL": ""}  # a session S3 endpoint would travel into the Job as --endpoint-url
 
 
 def _as_kubernetes(document: dict[str, Any], model: str) -> Any:
@@ -55,21 +54,24 @@ def test_parallelism_prints_an_indexed_job_whose_pods_take_their_own_share() -> 
     assert "pip install" not in result.stdout
 
 
-def test_the_job_commands_parse_as_a_transfer_of_each_share(tmp_path: Path) -> None:
-    """What each pod runs, with the index filled in, is a valid `--worker K/3` run (its plan, dry)."""
+def test_the_job_commands_parse_as_a_transfer_of_each_share(s3_root: str, storage_env: dict[str, str]) -> None:
+    """What each pod runs, with the index filled in, is a valid `--worker K/3` run (its plan, dry), from a
+    bucket into a bucket (a Job refuses local folders: its pods cannot see them)."""
     import yaml
 
-    source = tmp_path / "model"
-    source.mkdir()
+    from streamctl.storage import open_location
+
+    source = open_location(s3_root)
     for name in ("config.json", "tokenizer.json"):
-        (source / name).write_text("{}")
-    job = yaml.safe_load(run_cli("transfer", str(source), str(tmp_path / "out"), "--k8s-job", "--parallelism", "3",
-                                 "--image", IMAGE, env=NO_ENDPOINT).stdout)  # fmt: skip
-    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+        source.store.put(source.key(name), b"{}")
+    printed = run_cli("transfer", s3_root, f"{s3_root}-out", "--k8s-job", "--parallelism", "3", "--image", IMAGE,
+                      env=storage_env)  # fmt: skip
+    assert printed.exit_code == 0, printed.stderr
+    command = yaml.safe_load(printed.stdout)["spec"]["template"]["spec"]["containers"][0]["command"]
     planned = []
     for index in range(3):
         argv = [part.replace("$(JOB_COMPLETION_INDEX)", str(index)) for part in command[1:]]
-        result = run_cli(*argv, "--dry-run", "--json", env=NO_ENDPOINT)
+        result = run_cli(*argv, "--dry-run", "--json", env=storage_env)
         assert result.exit_code == 0, (shlex.join(argv), result.stderr)
         planned += [item["path"] for item in json.loads(result.stdout)["files"]]
     assert sorted(planned) == ["config.json", "tokenizer.json"]

@@ -159,6 +159,9 @@ def command(
     )
     options.validate()
     check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
+    kubernetes = ServeManifestOptions(namespace, name, image, service_account, accelerator, secret) if k8s else None
+    if kubernetes is not None:
+        kubernetes.validate(options.model)
     refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
     refuse_together(ctx, "k8s", "json_output", "--k8s prints the manifests as YAML")
     check_option_scope(ctx, [options.model])
@@ -168,7 +171,6 @@ def command(
     except PreflightFailed as failure:  # the findings on stderr, also with --json (stdout: the error document)
         output.render_verify_report(failure.report, to_stderr=True)
         raise
-    kubernetes = ServeManifestOptions(namespace, name, image, service_account, accelerator, secret) if k8s else None
     _show(result, kubernetes, dry_run)
 
 

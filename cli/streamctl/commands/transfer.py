@@ -147,6 +147,8 @@ def command(
     options.validate()
     source_url = resolve_source_url(source, repo_type.value if repo_type else None)
     check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
+    if k8s_job:
+        _check_job(source_url, ctx.params)
     refuse_together(ctx, "k8s_job", "dry_run", "the Job runs the whole transfer (preview it without --k8s-job)")
     refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
     refuse_together(ctx, "k8s_job", "worker", "the Job gives each pod its share (use --parallelism N)")
@@ -167,13 +169,21 @@ def command(
     output.emit(result)
 
 
+def _check_job(source_url: str, given: dict[str, Any]) -> None:
+    """What --k8s-job refuses before any other check: a local SOURCE or DEST, a name Kubernetes would refuse."""
+    from streamctl.k8s import check_transfer_job
+
+    names = {key: given[key] for key in ("namespace", "service_account", "secret")}
+    check_transfer_job(source_url, given["dest"], **names)
+
+
 def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any]) -> None:
     """The Kubernetes Job that runs this transfer in the cluster (every option given here, in its own words),
     as YAML on stdout. `given` is the command's parameters by name."""
     from streamctl import __version__
-    from streamctl.k8s import k8s_name, to_yaml, transfer_job
+    from streamctl.k8s import to_yaml, transfer_job
 
-    arguments = [source_url, given["dest"], "--part-size", given["part_size"], "--max-buffer", given["max_buffer"]]
+    arguments = ["--part-size", given["part_size"], "--max-buffer", given["max_buffer"]]
     arguments += ["-j", str(options.concurrency)] + ([f"--revision={given['revision']}"] if given["revision"] else [])
     arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
     arguments += ["--all-files"] * options.all_files + ["--follow-symlinks"] * given["follow_symlinks"]
@@ -186,8 +196,9 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
     if given["parallelism"] and source_url.startswith("hf://") and not given["revision"]:
         output.warn("each pod resolves the branch itself; pass --revision COMMIT so that all pods copy the same one")
     job = transfer_job(
+        source_url,
+        given["dest"],
         arguments,
-        name=k8s_name(f"streamctl-transfer-{source_url.rsplit('/', 1)[-1]}"),
         namespace=given["namespace"],
         image=given["image"],
         version=__version__,
@@ -195,6 +206,7 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
         secret=given["secret"],
         env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
         parallelism=given["parallelism"],
+        revision=given["revision"],
     )
     typer.echo(to_yaml(job), nl=False)
 

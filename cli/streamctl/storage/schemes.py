@@ -1,5 +1,6 @@
 """The one scheme table: for each URL scheme, its backend's factory, the other spellings the parser accepts,
-whether it can be a DEST, and whether the streamer and vLLM address it as SCHEME://BUCKET/KEY.
+whether it can be a DEST, whether it is on this machine, and whether the streamer and vLLM address it as
+SCHEME://BUCKET/KEY.
 
 A module of its own, not storage/__init__.py, because the URL parser (url.py) reads it too and
 storage/__init__.py imports the parser; storage/__init__.py re-exports it."""
@@ -17,12 +18,13 @@ class Scheme:
     aliases: tuple[str, ...] = ()  # other spellings of SCHEME:// the parser accepts
     writable: bool = True  # False: a SOURCE only
     object_store: bool = False  # BUCKET/KEY addressing; the streamer reads `SCHEME://BUCKET/KEY`
+    local: bool = False  # this machine's file system: nothing a pod (a manifest) can reach
 
 
 SCHEMES: dict[str, Scheme] = {
     scheme.name: scheme
     for scheme in (
-        Scheme("file", "streamctl.storage.local:open_store", "a local folder"),  # also a plain path
+        Scheme("file", "streamctl.storage.local:open_store", "a local folder", local=True),  # also a plain path
         Scheme("s3", "streamctl.storage.s3:open_store", "S3", object_store=True),
         Scheme("gs", "streamctl.storage.gcs:open_store", "GCS", aliases=("gcs",), object_store=True),
         # also https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX

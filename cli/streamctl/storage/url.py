@@ -9,7 +9,7 @@ from urllib.parse import quote, unquote, urlparse
 
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location, unsafe_path_reason
-from streamctl.storage.schemes import ALIASES, OBJECT_SCHEMES
+from streamctl.storage.schemes import ALIASES, OBJECT_SCHEMES, SCHEMES
 
 _AZURE_HTTPS = re.compile(r"^https://([a-z0-9]{3,24})\.blob\.core\.windows\.net(?:/(.*))?$", re.IGNORECASE)
 _BUCKET = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
@@ -26,7 +26,7 @@ class ParsedURL:
 
     @property
     def is_remote(self) -> bool:
-        return self.scheme != "file"
+        return not SCHEMES[self.scheme].local
 
 
 def _split_bucket(rest: str, url: str) -> tuple[str, str]:

@@ -1,0 +1,166 @@
+"""Names in the manifests streamctl prints: Kubernetes' own rules for them, the names derived from a location,
+and the one check of every name a user gives (`serve --k8s`, `transfer --k8s-job`).
+
+The rules are the API server's (k8s.io/apimachinery/pkg/util/validation: IsDNS1123Label, IsDNS1123Subdomain,
+IsDNS1035Label, IsValidLabelValue), so a manifest that passes here is not refused there for a name. A derived
+name ends in a short hash of the whole location: two locations that read alike (`s3://team-a/llama-8b`,
+`s3://team-b/llama-8b`) or differ only past the 63rd character never share a name, so applying one never
+replaces the other, and one location gives the same name on every run (`kubectl apply` is idempotent)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+
+from streamctl.errors import UsageError
+from streamctl.redact import printable
+from streamctl.storage.url import format_hf_url, parse_url
+
+
+@dataclass(frozen=True)
+class NameRule:
+    """One of the API server's name formats."""
+
+    title: str  # what Kubernetes calls it
+    pattern: re.Pattern[str]  # the apimachinery regex
+    max_length: int
+    characters: str  # a regex class: the characters allowed anywhere
+    first: str  # ... first and last
+    last: str
+    reads: str  # the rule in words, for the error message
+
+    def violation(self, value: str) -> str | None:
+        """Why `value` breaks the rule (the first reason found), or None when it keeps it."""
+        if not value:
+            return "it is empty"
+        if len(value) > self.max_length:
+            return f"it has {len(value)} characters, more than {self.max_length}"
+        if self.pattern.fullmatch(value):
+            return None
+        bad = sorted({character for character in value if not re.fullmatch(self.characters, character)})
+        if bad:
+            return "it holds " + ", ".join(repr(printable(character)) for character in bad)
+        if not re.fullmatch(self.first, value[0]):
+            return f"it starts with {value[0]!r}"
+        if not re.fullmatch(self.last, value[-1]):
+            return f"it ends with {value[-1]!r}"
+        return "a part between dots is empty or starts or ends with '-'"
+
+
+_LABEL = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?"
+DNS1123_LABEL = NameRule(
+    "a DNS-1123 label",
+    re.compile(_LABEL),
+    63,
+    "[-a-z0-9]",
+    "[a-z0-9]",
+    "[a-z0-9]",
+    "at most 63 lower-case letters, digits and '-', starting and ending with a letter or digit",
+)
+DNS1123_SUBDOMAIN = NameRule(
+    "a DNS-1123 subdomain",
+    re.compile(rf"{_LABEL}(?:\.{_LABEL})*"),
+    253,
+    "[-a-z0-9.]",
+    "[a-z0-9]",
+    "[a-z0-9]",
+    "lower-case letters, digits and '-' in parts joined by '.', each part starting and ending with a letter or "
+    "digit, at most 253 characters in all",
+)
+DNS1035_LABEL = NameRule(
+    "a DNS-1035 label",
+    re.compile(r"[a-z](?:[-a-z0-9]*[a-z0-9])?"),
+    63,
+    "[-a-z0-9]",
+    "[a-z]",
+    "[a-z0-9]",
+    "at most 63 lower-case letters, digits and '-', starting with a letter and ending with a letter or digit",
+)
+LABEL_VALUE = NameRule(
+    "a label value",
+    re.compile(r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?)?"),
+    63,
+    "[-A-Za-z0-9_.]",
+    "[A-Za-z0-9]",
+    "[A-Za-z0-9]",
+    "at most 63 letters, digits, '-', '_' and '.', starting and ending with a letter or digit",
+)
+
+
+def check_name(option: str, value: str, what: str, rule: NameRule) -> None:
+    """UsageError (exit 2) naming the option, the value and the rule when `value` breaks `rule`.
+
+    Empty is refused under every rule (an empty label value is valid, but `--accelerator ''` means nothing)."""
+    reason = rule.violation(value)
+    if reason is None:
+        return
+    suggestion = readable_name(value, rule.max_length)
+    hint = None
+    if rule.violation(suggestion) is None and suggestion != value:
+        hint = f"e.g. {option} {suggestion}"
+    raise UsageError(
+        f"{option} {printable(value)!r} is not a valid {what}: {reason} (Kubernetes wants {rule.title}: {rule.reads})",
+        hint=hint,
+        code="bad-option-value",
+    )
+
+
+# What each name option of a manifest becomes, and so the rule it must keep. --name names the Deployment and
+# its Service alike, and a Service name is a DNS-1035 label; a namespace is a DNS-1123 label; Secret and
+# ServiceAccount names are DNS-1123 subdomains; the accelerator is a nodeSelector value, a label value.
+NAME_OPTIONS: dict[str, tuple[str, str, NameRule]] = {
+    "namespace": ("--namespace", "namespace name", DNS1123_LABEL),
+    "name": ("--name", "Deployment and Service name", DNS1035_LABEL),
+    "service_account": ("--service-account", "ServiceAccount name", DNS1123_SUBDOMAIN),
+    "secret": ("--secret", "Secret name", DNS1123_SUBDOMAIN),
+    "accelerator": ("--accelerator", "nodeSelector value", LABEL_VALUE),
+}
+
+
+def check_manifest_names(**given: str | None) -> None:
+    """Check every name option a manifest takes from the user (keys of NAME_OPTIONS; None: not given)
+    against the rule the API server applies to what it becomes: UsageError (exit 2) for the first break."""
+    for key, value in given.items():
+        if value is not None:
+            option, what, rule = NAME_OPTIONS[key]
+            check_name(option, value, what, rule)
+
+
+def readable_name(text: str, limit: int = 63) -> str:
+    """`text` as a DNS-1123 label, as far as it goes: lower case, runs of other characters as one '-', cut
+    to `limit`. Lossy: many texts give one result, so a name for a location adds `location_hash`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:limit].rstrip("-")
+
+
+HASH_LENGTH = 8  # hex digits of sha256: 32 bits, ample for the models of one namespace
+
+
+def normalized_location(location: str, revision: str | None = None) -> str:
+    """One spelling per place, for the name's hash and the manifest's annotation: the scheme in lower case
+    and in its own spelling (`GS://`, `gcs://` are `gs://`), no trailing '/'; a Hub repo with its type and
+    revision (huggingface_hub's grammar; `revision`: one given apart, as `--revision`). Case is kept
+    elsewhere: keys and repo ids are case-sensitive."""
+    parsed = parse_url(location)
+    if parsed.scheme == "hf":
+        chosen = revision or parsed.revision
+        return format_hf_url(parsed.repo_type or "model", parsed.bucket, chosen, parsed.prefix)
+    if parsed.scheme == "file":
+        return parsed.bucket
+    root = f"https://{parsed.account}.blob.core.windows.net/" if parsed.account else f"{parsed.scheme}://"
+    return root + "/".join(part for part in (parsed.bucket, parsed.prefix) if part)
+
+
+def location_hash(*normalized: str) -> str:
+    """A short, stable hash of normalized locations (in order): the part of a derived name that differs
+    whenever a location does."""
+    return hashlib.sha256("\n".join(normalized).encode()).hexdigest()[:HASH_LENGTH]
+
+
+def derived_name(prefix: str, *normalized: str) -> str:
+    """`PREFIX-LASTSEGMENT-HASH` for normalized locations: a DNS-1035 label (so also a DNS-1123 label, valid
+    for a Service, a Job and a label value) of at most 63 characters, readable from the first location's
+    last path segment, told apart by `location_hash` of all of them. `prefix` starts with a letter."""
+    last_segment = normalized[0].rsplit("/", 1)[-1]
+    readable = readable_name(f"{prefix}-{last_segment}", 63 - HASH_LENGTH - 1)
+    return f"{readable}-{location_hash(*normalized)}"
