@@ -10,7 +10,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from streamctl.errors import UsageError
-from streamctl.k8s_names import check_manifest_names, derived_name, normalized_location
+from streamctl.k8s_names import (
+    DEST_ANNOTATION,
+    SOURCE_ANNOTATION,
+    check_manifest_names,
+    derived_name,
+    place_annotations,
+)
 from streamctl.redact import has_credentials, mask_credentials, printable
 from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, staging_bytes
 from streamctl.serve.vllm_args import secret_values
@@ -119,10 +125,6 @@ def to_yaml(value: object, indent: int = 0) -> str:
     return pad + _scalar(value) + "\n"
 
 
-SOURCE_ANNOTATION = "streamctl.io/source"  # the whole location a derived name stands for
-DEST_ANNOTATION = "streamctl.io/dest"
-
-
 def refuse_pod_local(mode: str, role: str, location: str) -> None:
     """UsageError for a location on this machine's file system (a plain path or file://, by the scheme
     table): a pod has a file system of its own, so it would read nothing there, or write a copy that
@@ -211,11 +213,14 @@ def transfer_job(
     env: Mapping[str, str],
     parallelism: int | None = None,
     revision: str | None = None,
+    endpoint: str | None = None,
+    azure_account: str | None = None,
 ) -> dict[str, object]:
     """A Job that runs `streamctl transfer SOURCE DEST ARGUMENTS` in the cluster, next to the bucket; with
     `parallelism` N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.shares).
-    Its name is derived from both locations (k8s_names.derived_name; a Hub SOURCE with `revision`, the
-    --revision among ARGUMENTS), which its annotations hold.
+    Its name is derived from the places it copies between (k8s_names.derived_name: both locations, a Hub
+    SOURCE with `revision`, S3 with `endpoint`, Azure with `azure_account`, as among ARGUMENTS), which its
+    annotations hold.
 
     Re-runs are cheap (finished objects are skipped), so the Job may retry freely. UsageError as
     check_transfer_job says, or without an `image` (no package index serves streamctl: the image is built
@@ -226,7 +231,9 @@ def transfer_job(
         raise UsageError(
             "--k8s-job needs --image: an image with streamctl installed", hint=IMAGE_HINT.format(version=version)
         )
-    places = {SOURCE_ANNOTATION: normalized_location(source, revision), DEST_ANNOTATION: normalized_location(dest)}
+    places = place_annotations(
+        {SOURCE_ANNOTATION: source, DEST_ANNOTATION: dest}, revision=revision, endpoint=endpoint, account=azure_account
+    )
     name = derived_name("streamctl-transfer", *places.values())
     container = _job_container([source, dest, *arguments], image, parallelism, secret, env)
     # Never: a failed pod is replaced by a new one (what per-index retries and the failure policy require).
@@ -307,13 +314,18 @@ def serve_pod_manifests(
     """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host; named
     `--name` or after the model's location (k8s_names.derived_name), which their annotation holds."""
     kubernetes.validate(options.model)
-    source = normalized_location(options.model)
+    # the place the pod reads: the model, through the endpoint and account the plan gives the pod
+    places = place_annotations(
+        {SOURCE_ANNOTATION: options.model},
+        endpoint=plan.env.get("AWS_ENDPOINT_URL"),
+        account=plan.env.get("AZURE_STORAGE_ACCOUNT_NAME"),
+    )
     tp = options.tensor_parallel_size
     return serve_manifests(
         plan.argv,
         plan.env,
-        name=kubernetes.name or derived_name("vllm", source),
-        source=source,
+        name=kubernetes.name or derived_name("vllm", *places.values()),
+        annotations=places,
         namespace=kubernetes.namespace,
         image=kubernetes.image or DEFAULT_VLLM_IMAGE,
         tensor_parallel_size=tp,
@@ -388,7 +400,7 @@ def serve_manifests(
     env: Mapping[str, str],
     *,
     name: str,
-    source: str | None = None,
+    annotations: Mapping[str, str] | None = None,
     namespace: str,
     image: str,
     tensor_parallel_size: int,
@@ -407,8 +419,8 @@ def serve_manifests(
     refuse_clear_text_secrets(argv, env)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"}
     metadata: dict[str, object] = {"name": name, "namespace": namespace, "labels": labels}
-    if source is not None:  # the model's whole location, which a derived name is cut and hashed from
-        metadata["annotations"] = {SOURCE_ANNOTATION: source}
+    if annotations:  # the model's whole place, which a derived name is cut and hashed from
+        metadata["annotations"] = dict(annotations)
     container = _vllm_container(
         argv,
         env,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from streamctl.errors import UsageError
@@ -136,10 +137,11 @@ def readable_name(text: str, limit: int = 63) -> str:
 HASH_LENGTH = 8  # hex digits of sha256: 32 bits, ample for the models of one namespace
 
 
-def normalized_location(location: str, revision: str | None = None) -> str:
+def normalized_location(location: str, revision: str | None = None, account: str | None = None) -> str:
     """One spelling per place, for the name's hash and the manifest's annotation: the scheme in lower case
     and in its own spelling (`GS://`, `gcs://` are `gs://`), no trailing '/'; a Hub repo with its type and
-    revision (huggingface_hub's grammar; `revision`: one given apart, as `--revision`). Case is kept
+    revision (huggingface_hub's grammar; `revision`: one given apart, as `--revision`); an Azure container
+    with its account (the URL's, else `account`) as https://ACCOUNT.blob.core.windows.net/. Case is kept
     elsewhere: keys and repo ids are case-sensitive."""
     parsed = parse_url(location)
     if parsed.scheme == "hf":
@@ -147,8 +149,30 @@ def normalized_location(location: str, revision: str | None = None) -> str:
         return format_hf_url(parsed.repo_type or "model", parsed.bucket, chosen, parsed.prefix)
     if parsed.scheme == "file":
         return parsed.bucket
-    root = f"https://{parsed.account}.blob.core.windows.net/" if parsed.account else f"{parsed.scheme}://"
+    account = parsed.account or (account.lower() if account and parsed.scheme == "az" else None)
+    root = f"https://{account}.blob.core.windows.net/" if account else f"{parsed.scheme}://"
     return root + "/".join(part for part in (parsed.bucket, parsed.prefix) if part)
+
+
+SOURCE_ANNOTATION = "streamctl.io/source"  # the whole places a derived name stands for
+DEST_ANNOTATION = "streamctl.io/dest"
+ENDPOINT_ANNOTATION = "streamctl.io/s3-endpoint"  # one bucket name is another bucket on another endpoint
+
+
+def place_annotations(
+    locations: Mapping[str, str],
+    *,
+    revision: str | None = None,
+    endpoint: str | None = None,
+    account: str | None = None,
+) -> dict[str, str]:
+    """The annotations naming the places a manifest is about, `locations` by annotation key: each location
+    normalized (normalized_location), and the S3 endpoint when an s3:// location is reached through one.
+    A derived name hashes their values (derived_name), so it differs whenever one of them does."""
+    places = {key: normalized_location(url, revision, account) for key, url in locations.items()}
+    if endpoint and any(parse_url(url).scheme == "s3" for url in locations.values()):
+        places[ENDPOINT_ANNOTATION] = endpoint.rstrip("/")
+    return places
 
 
 def location_hash(*normalized: str) -> str:

@@ -21,6 +21,7 @@ from streamctl.errors import UsageError
 from streamctl.k8s import ServeManifestOptions, serve_pod_manifests, transfer_job
 from streamctl.k8s_names import NAME_OPTIONS, check_manifest_names
 from streamctl.serve.plan import CheckpointFacts, ServeOptions, plan_launch
+from streamctl.storage import StorageOptions
 
 IMAGE = "registry.example/streamctl:0.1.0"
 NO_ENDPOINT = {"AWS_ENDPOINT_URL": ""}  # no session endpoint in the manifests: none is reached either
@@ -143,16 +144,16 @@ def test_without_json_the_refusal_is_one_line_and_prints_no_manifest() -> None:
 # -- derived names ---------------------------------------------------------------------------------------
 
 
-def _serve_documents(model: str, **kubernetes: Any) -> list[dict[str, Any]]:
-    options = ServeOptions(model=model)
+def _serve_documents(model: str, storage: StorageOptions | None = None, **kubernetes: Any) -> list[dict[str, Any]]:
+    options = ServeOptions(model=model, storage=storage or StorageOptions())
     plan = plan_launch(options, FACTS, sharded=False, environ={}, cuda_available=True, host_memory_bytes=None)
     return serve_pod_manifests(plan, FACTS, options, ServeManifestOptions(**kubernetes))  # type: ignore[return-value]
 
 
-def _job(source: str, dest: str, revision: str | None = None) -> dict[str, Any]:
+def _job(source: str, dest: str, revision: str | None = None, **places: str) -> dict[str, Any]:
     job = transfer_job(
         source, dest, [], namespace="default", image=IMAGE, version="0", service_account=None, secret=None,
-        env={}, revision=revision,
+        env={}, revision=revision, **places,
     )  # fmt: skip
     return job
 
@@ -230,6 +231,34 @@ def test_job_names_differ_whenever_source_or_dest_does(first: tuple[str, str], s
         assert job["metadata"]["annotations"] == {"streamctl.io/source": source, "streamctl.io/dest": dest}
         assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == name
     assert jobs[0]["metadata"]["name"] != jobs[1]["metadata"]["name"]
+
+
+def test_the_same_bucket_path_on_another_endpoint_or_account_is_another_name() -> None:
+    """One bucket name is another bucket on another S3-compatible endpoint, one container name another
+    container in another Azure account: the name tells them apart and the annotations say which."""
+    names = set()
+    for endpoint in (None, "http://minio-a:9000", "http://minio-b:9000"):
+        (deployment, _service) = _serve_documents("s3://bkt/m", StorageOptions(endpoint_url=endpoint))
+        annotations = deployment["metadata"]["annotations"]
+        assert (
+            annotations.get("streamctl.io/s3-endpoint") == endpoint
+            and annotations["streamctl.io/source"] == "s3://bkt/m"
+        )
+        names.add(deployment["metadata"]["name"])
+        job = _job("s3://src/m", "s3://bkt/m", **({"endpoint": endpoint} if endpoint else {}))
+        assert job["metadata"]["annotations"].get("streamctl.io/s3-endpoint") == endpoint
+        names.add(job["metadata"]["name"])
+    for account in ("acct", "other"):
+        (deployment, _service) = _serve_documents("az://models/m", StorageOptions(azure_account=account))
+        source = f"https://{account}.blob.core.windows.net/models/m"
+        assert deployment["metadata"]["annotations"] == {"streamctl.io/source": source}
+        names.add(deployment["metadata"]["name"])
+        job = _job("hf://org/m", "az://models/m", azure_account=account)
+        assert job["metadata"]["annotations"]["streamctl.io/dest"] == source
+        names.add(job["metadata"]["name"])
+    assert len(names) == 10, names
+    # The endpoint concerns s3:// only: a Hub-to-GCS Job is the same Job with or without it.
+    assert _job("hf://org/m", "gs://bkt/m", endpoint="http://minio-a:9000") == _job("hf://org/m", "gs://bkt/m")
 
 
 def test_a_revision_given_apart_is_part_of_the_jobs_name() -> None:

@@ -207,6 +207,8 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
         env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
         parallelism=given["parallelism"],
         revision=given["revision"],
+        endpoint=given["endpoint_url"],
+        azure_account=given["azure_account"],
     )
     typer.echo(to_yaml(job), nl=False)
 
