@@ -12,13 +12,14 @@ from dataclasses import dataclass
 from streamctl.errors import UsageError
 from streamctl.k8s_names import (
     DEST_ANNOTATION,
+    JOB_NAME_LIMIT,
     SOURCE_ANNOTATION,
     check_manifest_names,
     derived_name,
     place_annotations,
 )
-from streamctl.redact import has_credentials, mask_credentials, printable
-from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, staging_bytes
+from streamctl.redact import has_credentials, mask_credentials
+from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, shell_word, staging_bytes
 from streamctl.serve.vllm_args import secret_values
 from streamctl.storage.schemes import SCHEMES
 from streamctl.storage.url import parse_url
@@ -131,9 +132,8 @@ def refuse_pod_local(mode: str, role: str, location: str) -> None:
     vanishes with the pod."""
     if not SCHEMES[parse_url(location).scheme].local:
         return
-    shown = printable(location)
     why = "the pod cannot read this machine's files"
-    hint = f"copy it into a bucket first (streamctl transfer {shown} s3://BUCKET/PREFIX), then give that prefix"
+    hint = f"copy it into a bucket first (streamctl transfer {shell_word(location)} s3://BUCKET/PREFIX), then give that prefix"
     if role == "DEST":
         why = "the pod would write the copy into its own file system, which is gone with the pod"
         fix = "give a bucket prefix (s3://, gs://, az://) as DEST"
@@ -142,7 +142,7 @@ def refuse_pod_local(mode: str, role: str, location: str) -> None:
         fix = "give a Hub repo (hf://ORG/NAME) or a bucket prefix as SOURCE"
     else:
         fix = "serve a bucket prefix"
-    raise UsageError(f"{mode}: {role} {shown!r} is a local path: {why}; {fix}", hint=hint, code="local-location")
+    raise UsageError(f"{mode}: {role} {location!r} is a local path: {why}; {fix}", hint=hint, code="local-location")
 
 
 IMAGE_HINT = (
@@ -191,13 +191,19 @@ def _indexed_spec(parallelism: int) -> dict[str, object]:
 
 
 def check_transfer_job(
-    source: str, dest: str, *, namespace: str, service_account: str | None, secret: str | None
+    source: str,
+    dest: str,
+    *,
+    namespace: str,
+    service_account: str | None,
+    secret: str | None,
+    image: str | None = None,
 ) -> None:
     """UsageError for a local SOURCE or DEST (the pod cannot see this machine's files) or a name option
     Kubernetes would refuse: what `transfer --k8s-job` checks before anything else."""
     refuse_pod_local("--k8s-job", "SOURCE", source)
     refuse_pod_local("--k8s-job", "DEST", dest)
-    check_manifest_names(namespace=namespace, service_account=service_account, secret=secret)
+    check_manifest_names(namespace=namespace, service_account=service_account, secret=secret, image=image)
 
 
 def transfer_job(
@@ -225,7 +231,7 @@ def transfer_job(
     Re-runs are cheap (finished objects are skipped), so the Job may retry freely. UsageError as
     check_transfer_job says, or without an `image` (no package index serves streamctl: the image is built
     from the repository's Dockerfile)."""
-    check_transfer_job(source, dest, namespace=namespace, service_account=service_account, secret=secret)
+    check_transfer_job(source, dest, namespace=namespace, service_account=service_account, secret=secret, image=image)
     refuse_clear_text_credentials([[source, dest, *arguments], env])
     if not image:
         raise UsageError(
@@ -234,7 +240,7 @@ def transfer_job(
     places = place_annotations(
         {SOURCE_ANNOTATION: source, DEST_ANNOTATION: dest}, revision=revision, endpoint=endpoint, account=azure_account
     )
-    name = derived_name("streamctl-transfer", *places.values())
+    name = derived_name("streamctl-transfer", *places.values(), limit=JOB_NAME_LIMIT)
     container = _job_container([source, dest, *arguments], image, parallelism, secret, env)
     # Never: a failed pod is replaced by a new one (what per-index retries and the failure policy require).
     pod_spec: dict[str, object] = {
@@ -289,6 +295,7 @@ class ServeManifestOptions:
             service_account=self.service_account,
             secret=self.secret,
             accelerator=self.accelerator,
+            image=self.image,
         )
 
 

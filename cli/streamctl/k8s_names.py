@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from streamctl.errors import UsageError
-from streamctl.redact import printable
 from streamctl.storage.url import format_hf_url, parse_url
 
 
@@ -41,7 +40,7 @@ class NameRule:
             return None
         bad = sorted({character for character in value if not re.fullmatch(self.characters, character)})
         if bad:
-            return "it holds " + ", ".join(repr(printable(character)) for character in bad)
+            return "it holds " + ", ".join(repr(character) for character in bad)
         if not re.fullmatch(self.first, value[0]):
             return f"it starts with {value[0]!r}"
         if not re.fullmatch(self.last, value[-1]):
@@ -101,7 +100,7 @@ def check_name(option: str, value: str, what: str, rule: NameRule) -> None:
     if rule.violation(suggestion) is None and suggestion != value:
         hint = f"e.g. {option} {suggestion}"
     raise UsageError(
-        f"{option} {printable(value)!r} is not a valid {what}: {reason} (Kubernetes wants {rule.title}: {rule.reads})",
+        f"{option} {value!r} is not a valid {what}: {reason} (Kubernetes wants {rule.title}: {rule.reads})",
         hint=hint,
         code="bad-option-value",
     )
@@ -119,13 +118,42 @@ NAME_OPTIONS: dict[str, tuple[str, str, NameRule]] = {
 }
 
 
-def check_manifest_names(**given: str | None) -> None:
-    """Check every name option a manifest takes from the user (keys of NAME_OPTIONS; None: not given)
-    against the rule the API server applies to what it becomes: UsageError (exit 2) for the first break."""
+def check_manifest_names(*, image: str | None = None, **given: str | None) -> None:
+    """Check every name option a manifest takes from the user (keys of NAME_OPTIONS, and `image`; None:
+    not given) against the rule Kubernetes applies to what it becomes: UsageError (exit 2) for the first."""
     for key, value in given.items():
         if value is not None:
             option, what, rule = NAME_OPTIONS[key]
             check_name(option, value, what, rule)
+    if image is not None:
+        check_image(image)
+
+
+# distribution/reference's grammar, which the kubelet parses an image with: the API server takes any text,
+# and a pod whose image is not [REGISTRY[:PORT]/]PATH[:TAG][@DIGEST] fails to start (InvalidImageName).
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN_COMPONENT = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
+_DOMAIN = rf"(?:{_DOMAIN_COMPONENT}(?:\.{_DOMAIN_COMPONENT})*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+_IMAGE_NAME = re.compile(rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*")
+_TAG = r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}"
+_DIGEST = r"[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}"
+_IMAGE_REFERENCE = re.compile(rf"({_IMAGE_NAME.pattern})(?::{_TAG})?(?:@{_DIGEST})?")
+IMAGE_NAME_LIMIT = 255  # characters of REGISTRY/PATH
+
+
+def check_image(image: str) -> None:
+    """UsageError (exit 2) for an --image the kubelet could not parse."""
+    match = _IMAGE_REFERENCE.fullmatch(image)
+    if match and len(match.group(1)) <= IMAGE_NAME_LIMIT:
+        return
+    reason = "it is empty" if not image else f"its name has more than {IMAGE_NAME_LIMIT} characters"
+    if image and match is None:
+        reason = "it does not parse as one"
+    raise UsageError(
+        f"--image {image!r} is not a valid image reference: {reason} (the kubelet wants "
+        "[REGISTRY[:PORT]/]PATH[:TAG][@DIGEST], the PATH in lower-case letters, digits and '._-', no spaces)",
+        code="bad-option-value",
+    )
 
 
 def readable_name(text: str, limit: int = 63) -> str:
@@ -181,10 +209,16 @@ def location_hash(*normalized: str) -> str:
     return hashlib.sha256("\n".join(normalized).encode()).hexdigest()[:HASH_LENGTH]
 
 
-def derived_name(prefix: str, *normalized: str) -> str:
+# An Indexed Job's pods are named and hostnamed NAME-INDEX: the API server refuses a Job whose last
+# NAME-INDEX is no DNS-1123 label (63 characters), and before Kubernetes 1.27 any Indexed Job name over
+# 63 - 11 = 52 characters. 52 fits both, for every --parallelism.
+JOB_NAME_LIMIT = 52
+
+
+def derived_name(prefix: str, *normalized: str, limit: int = 63) -> str:
     """`PREFIX-LASTSEGMENT-HASH` for normalized locations: a DNS-1035 label (so also a DNS-1123 label, valid
-    for a Service, a Job and a label value) of at most 63 characters, readable from the first location's
-    last path segment, told apart by `location_hash` of all of them. `prefix` starts with a letter."""
+    for a Service, a Job and a label value) of at most `limit` characters, readable from the first
+    location's last path segment, told apart by `location_hash` of all of them. `prefix` starts with a letter."""
     last_segment = normalized[0].rsplit("/", 1)[-1]
-    readable = readable_name(f"{prefix}-{last_segment}", 63 - HASH_LENGTH - 1)
+    readable = readable_name(f"{prefix}-{last_segment}", limit - HASH_LENGTH - 1)
     return f"{readable}-{location_hash(*normalized)}"

@@ -96,6 +96,27 @@ def test_a_refusal_names_the_option_the_value_and_the_rule(option: str, value: s
     assert re.search(r"Kubernetes wants an? (DNS-1123 label|DNS-1123 subdomain|DNS-1035 label|label value)", message)
 
 
+GOOD_IMAGES = [
+    "vllm/vllm-openai:v0.33.0", "registry.example/streamctl:0.1.0", "localhost:5000/team/streamctl:dev",
+    "REGISTRY/streamctl:0.1.0", "ghcr.io/org/img@sha256:" + "a" * 64, "[::1]:5000/x", "busybox", "a__b-c.d",
+]  # fmt: skip
+BAD_IMAGES = [
+    "", "IMG", "vllm/vllm-openai:v0.33.0 ", "my image", "registry.example/Streamctl:1", "repo:tag:tag",
+    "repo@sha256:abc", "-repo", "a/" + "b" * 260, "x:" + "t" * 129, "repo\n", "repo/", "/repo",
+]  # fmt: skip
+
+
+def test_an_image_the_kubelet_cannot_parse_is_refused() -> None:
+    """distribution/reference's grammar: the API server takes any text; the pod would fail InvalidImageName."""
+    for image in GOOD_IMAGES:
+        check_manifest_names(image=image)
+    for image in BAD_IMAGES:
+        with pytest.raises(UsageError) as refused:
+            check_manifest_names(image=image)
+        assert refused.value.message.startswith(f"--image {image!r} is not a valid image reference"), image
+        assert refused.value.code == "bad-option-value" and "\n" not in refused.value.message
+
+
 def _error_document(result: CliResult) -> dict[str, Any]:
     assert result.exit_code == 2, (result.stdout, result.stderr)
     document = json.loads(result.stdout)
@@ -108,11 +129,12 @@ SERVE_BAD = [
     ("--name", "MyModel"), ("--name", "my_model"), ("--name", "1model"), ("--name", "a.b"), ("--name", "x" * 64),
     ("--name", ""), ("--namespace", "Prod_NS"), ("--namespace", "a/b"), ("--service-account", "SA Name"),
     ("--service-account", "a" * 254), ("--secret", "../etc"), ("--secret", "Creds"), ("--accelerator", "nvidia l4"),
-    ("--accelerator", "-l4"), ("--accelerator", "x" * 64),
+    ("--accelerator", "-l4"), ("--accelerator", "x" * 64), ("--image", ""), ("--image", "Vllm/Vllm:1"),
 ]  # fmt: skip
 JOB_BAD = [
     ("--namespace", "Prod_NS"), ("--namespace", "x" * 64), ("--namespace", ""), ("--service-account", "SA Name"),
     ("--service-account", "sa/x"), ("--secret", "../etc"), ("--secret", "a_b"), ("--secret", "a" * 254),
+    ("--image", "my image"),
 ]  # fmt: skip
 
 
@@ -228,6 +250,9 @@ def test_job_names_differ_whenever_source_or_dest_does(first: tuple[str, str], s
     for job, (source, dest) in zip(jobs, (first, second), strict=True):
         name = job["metadata"]["name"]
         assert keeps(DNS1123_LABEL, name) and name.startswith("streamctl-transfer-"), name
+        # An Indexed Job's pods are NAME-INDEX: the API server wants the last one a DNS-1123 label (and,
+        # before 1.27, an Indexed Job's name within 52 characters)
+        assert keeps(DNS1123_LABEL, f"{name}-9999") and len(name) <= 52, name
         assert job["metadata"]["annotations"] == {"streamctl.io/source": source, "streamctl.io/dest": dest}
         assert job["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == name
     assert jobs[0]["metadata"]["name"] != jobs[1]["metadata"]["name"]

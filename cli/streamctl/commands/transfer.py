@@ -173,7 +173,7 @@ def _check_job(source_url: str, given: dict[str, Any]) -> None:
     """What --k8s-job refuses before any other check: a local SOURCE or DEST, a name Kubernetes would refuse."""
     from streamctl.k8s import check_transfer_job
 
-    names = {key: given[key] for key in ("namespace", "service_account", "secret")}
+    names = {key: given[key] for key in ("namespace", "service_account", "secret", "image")}
     check_transfer_job(source_url, given["dest"], **names)
 
 
