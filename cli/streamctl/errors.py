@@ -75,6 +75,14 @@ class DeadlineExceededError(RemoteError):
     do not retry it again (each retry would cost another full deadline)."""
 
 
+class OutOfResources(RemoteError):
+    """The machine ran out of something the run needs: disk space or quota, a file-size limit, memory, open
+    files, threads (streamctl.oserrors). Exit 6 as a full disk always was, and like a lost link a transfer's
+    sound parts stay to resume once space is freed; its own code, so a script can tell it from the network."""
+
+    code = "out-of-resources"
+
+
 class EngineFailed(RemoteError):
     """The engine streamctl runs beside itself (`shard --engine vllm-cpu`'s vLLM worker process) died or
     broke its pipe protocol: a service that failed mid-request, so exit 6 as for any other (not retried:

@@ -43,6 +43,7 @@ from streamctl.checkpoint.files import (
     read_config_references,
     select_files,
 )
+from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
 from streamctl.errors import (
     ChecksFailed,
@@ -273,11 +274,9 @@ def _with_metadata(location: Location, info: ObjectInfo) -> ObjectInfo:
 
 
 def _read_json(location: Location, path: str, size: int) -> object:
-    raw = location.store.read_range(location.key(path), 0, size)
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
+    """The JSON document at `path`; None when it is not one verify-index would accept (nested too deeply, or a
+    JSON bomb, included: the same rule, never a RecursionError)."""
+    return decode_json_strictly(location.store.read_range(location.key(path), 0, size), what=path).value
 
 
 def _indexed_shards(source: Location, size: int) -> frozenset[str] | None:
