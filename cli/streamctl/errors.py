@@ -78,7 +78,8 @@ class DeadlineExceededError(RemoteError):
 class OutOfResources(RemoteError):
     """The machine ran out of something the run needs: disk space or quota, a file-size limit, memory, open
     files, threads (streamctl.oserrors). Exit 6 as a full disk always was, and like a lost link a transfer's
-    sound parts stay to resume once space is freed; its own code, so a script can tell it from the network."""
+    sound parts stay to resume once space is freed; its own code, so a script can tell it from the network.
+    Not retried (streamctl.retry): waiting seconds frees no disk."""
 
     code = "out-of-resources"
 

@@ -141,14 +141,27 @@ def user_error(error: BaseException) -> StreamctlError | None:
         return OutOfResources("out of memory", "free memory, raise the limit (ulimit -v), or lower --concurrency")
     if isinstance(error, RuntimeError) and "can't start new thread" in str(error):
         return OutOfResources("cannot start a thread (a limit on threads, processes or memory)", _THREAD_LIMIT_HINT)
+    if isinstance(error, ImportError) and any(words in str(error) for words in _NO_MEMORY_TO_LOAD):
+        # numpy under `ulimit -v`: its C extension cannot be mapped, and numpy re-raises that as ImportError
+        return OutOfResources(
+            f"out of memory loading {error.name or 'a library'} (cannot map it into memory)",
+            "free memory or raise the limit (ulimit -v)",
+        )
     return None
 
 
+# What the dynamic loader says when a library does not fit in the address space left (glibc's words).
+_NO_MEMORY_TO_LOAD = ("failed to map segment from shared object", "cannot allocate memory")
+
+
 @contextmanager
-def mapped(path: object) -> Iterator[None]:
+def mapped(path: object, other_way: str | None = None) -> Iterator[None]:
     """Re-raise an OSError from the block as its StreamctlError, naming the path the system named, else
-    `path` (the folder the block works in)."""
+    `path` (the folder the block works in); `other_way` (a way round the path altogether) ends the hint."""
     try:
         yield
     except OSError as error:
-        raise from_os_error(error, error.filename if error.filename is not None else path) from error
+        refused = from_os_error(error, error.filename if error.filename is not None else path)
+        if other_way:
+            refused.hint = f"{refused.hint}; or {other_way}" if refused.hint else other_way
+        raise refused from error

@@ -201,7 +201,8 @@ def ensure_environment(
 ) -> Path:
     """The venv's python, building the environment first unless its stamp matches. One builder at a time
     (an exclusive lock beside the venv): a second one waits, then finds it built."""
-    with oserrors.mapped(venv):  # an unwritable, full or read-only cache folder is the user's to fix
+    # An unwritable, full or read-only cache folder is the user's to fix, or to point elsewhere.
+    with oserrors.mapped(venv, f"set STREAMCTL_CACHE to another folder, or {_BUILD_HINT}"):
         return _ensure_environment(venv, vllm_version, progress, extra_pip_args, stamp_extra, check_imports, rebuild, build)
 
 
