@@ -9,7 +9,6 @@ run whose checks failed), shown with the error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -116,9 +115,9 @@ class _Findings(Protocol):
     """What ChecksFailed reads of a verify report (streamctl.verify's VerifyReport)."""
 
     @property
-    def errors(self) -> Sequence[object]: ...
+    def error_count(self) -> int: ...
     @property
-    def warnings(self) -> Sequence[object]: ...
+    def warning_count(self) -> int: ...
     @property
     def checkpoint(self) -> str: ...
 
@@ -129,7 +128,7 @@ class ChecksFailed(VerificationFailed):
     line under it: the report says what failed."""
 
     def __init__(self, result: object, report: _Findings) -> None:
-        super().__init__(f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}")
+        super().__init__(f"{report.error_count:,} errors and {report.warning_count:,} warnings in {report.checkpoint}")
         self.result = result
 
 

@@ -370,8 +370,8 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     print_phrases(console, [
-        f"{verdict} {escape(report.checkpoint)} ({report.layout}):", plural(len(report.errors), "error") + ",",
-        plural(len(report.warnings), "warning") + ";", plural(stats.files, "file") + ",",
+        f"{verdict} {escape(report.checkpoint)} ({report.layout}):", plural(report.error_count, "error") + ",",
+        plural(report.warning_count, "warning") + ";", plural(stats.files, "file") + ",",
         plural(stats.tensors, "tensor") + ",", f"{human_bytes(stats.total_bytes)} checkpoint,",
         f"{human_bytes(stats.bytes_read)} of headers read", f"in {plural(stats.requests, 'request')},",
         f"{stats.seconds:.2f} s",

@@ -177,6 +177,15 @@ class VerifyReport:
         return {finding.code: finding.omitted for finding in self.findings if finding.omitted}
 
     @property
+    def error_count(self) -> int:
+        """Errors found, those counted but not listed included (a summary finding stands for its `omitted`)."""
+        return sum(finding.omitted or 1 for finding in self.errors)
+
+    @property
+    def warning_count(self) -> int:
+        return sum(finding.omitted or 1 for finding in self.warnings)
+
+    @property
     def ok(self) -> bool:
         return not self.errors
 
