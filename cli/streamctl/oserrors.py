@@ -48,6 +48,7 @@ class _Meaning:
 _PERMISSION_HINT = "check the owner and mode of this path and of the folders above it, or choose another location"
 _SPACE_HINT = "free disk space, or choose a location on another file system"
 _FILES_HINT = "raise the open-file limit (ulimit -n) or lower --concurrency"
+_NAME_HINT = "rename it (some file systems refuse characters such as ':' or '\\'), or choose another location"
 _SHAPE_HINT = "a file stands where a folder is needed, or a folder where a file is: rename it or choose another path"
 
 _MEANINGS: dict[int, _Meaning] = {
@@ -65,14 +66,18 @@ _MEANINGS: dict[int, _Meaning] = {
         "name too long for this file system",
         "most file systems allow 255 bytes per name and 4096 per path: rename the file, or choose a shorter location",
     ),
-    errno.EILSEQ: _Meaning(UsageError, "name not valid on this file system"),
-    errno.EINVAL: _Meaning(UsageError, "name or request not valid on this file system"),
+    errno.EILSEQ: _Meaning(UsageError, "name not valid on this file system", _NAME_HINT),
+    errno.EINVAL: _Meaning(UsageError, "name or request not valid on this file system", _NAME_HINT),
     errno.ELOOP: _Meaning(UsageError, "too many levels of symbolic links", "remove the looping link"),
     errno.ENOTDIR: _Meaning(UsageError, "a path segment is not a folder", _SHAPE_HINT),
     errno.EISDIR: _Meaning(UsageError, "is a folder, not a file", _SHAPE_HINT),
     errno.ENOTEMPTY: _Meaning(UsageError, "is a folder, not a file", _SHAPE_HINT),
     errno.EEXIST: _Meaning(UsageError, "exists and is not a folder", _SHAPE_HINT),
-    errno.ENXIO: _Meaning(UsageError, "not a regular file (a socket or a device without a reader)"),
+    errno.ENXIO: _Meaning(
+        UsageError,
+        "not a regular file (a socket or a device without a reader)",
+        "streamctl reads and writes only regular files: replace it with the file itself",
+    ),
     errno.EXDEV: _Meaning(
         UsageError, "crosses file systems (a mount point inside it?)", "choose a location within one file system"
     ),
@@ -134,8 +139,9 @@ _THREAD_LIMIT_HINT = "raise the limits (ulimit -u, ulimit -v) or lower --concurr
 
 def user_error(error: BaseException) -> StreamctlError | None:
     """What the machine refused, however it reached the top: the StreamctlError to report, or None for a
-    bug. OSError by errno as above; memory and threads exhausted (`ulimit -v`, `ulimit -u`): OutOfResources."""
-    if isinstance(error, OSError) and error.errno is not None:
+    bug. An OSError of a known errno as above; memory and threads exhausted (`ulimit -v`, `ulimit -u`), a
+    library that cannot be mapped into memory: OutOfResources."""
+    if isinstance(error, OSError) and error.errno in _MEANINGS:  # another errno (EBADF...) is more likely a bug
         return from_os_error(error)
     if isinstance(error, MemoryError):
         return OutOfResources("out of memory", "free memory, raise the limit (ulimit -v), or lower --concurrency")

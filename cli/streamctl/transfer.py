@@ -24,7 +24,6 @@ the manifest is merged share by share; the worker whose share completes it remov
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -43,8 +42,8 @@ from streamctl.checkpoint.files import (
     read_config_references,
     select_files,
 )
-from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import (
     ChecksFailed,
     DestinationBusy,

@@ -11,6 +11,7 @@ its code, and nothing under a final name that is not whole.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import resource
@@ -140,7 +141,11 @@ def full_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def _command(verb: str, source: Path, dest: Path) -> list[str]:
-    return ["transfer", str(source), str(dest), "--no-verify"] if verb == "transfer" else ["shard", str(source), str(dest), "-tp", "2"]
+    return (
+        ["transfer", str(source), str(dest), "--no-verify"]
+        if verb == "transfer"
+        else ["shard", str(source), str(dest), "-tp", "2"]
+    )
 
 
 VERBS = ("transfer", "shard")
@@ -179,7 +184,11 @@ def test_an_unreadable_source_is_access_denied(tmp_path: Path, model: Path, comm
     subprocess.run(["cp", "-r", str(model), str(source)], check=True)
     target = source / unreadable
     target.chmod(0o000)
-    args = {"verify-index": [str(source)], "serve": [str(source), "--dry-run"], "transfer": [str(source), str(tmp_path / "out")]}
+    args = {
+        "verify-index": [str(source)],
+        "serve": [str(source), "--dry-run"],
+        "transfer": [str(source), str(tmp_path / "out")],
+    }
     try:
         result = streamctl(command, *args[command], preexec=modes_bind)
     finally:
@@ -200,15 +209,34 @@ def test_a_name_too_long_is_bad_input(tmp_path: Path, model: Path, verb: str, wh
     assert not any(tmp_path.rglob("*.safetensors"))
 
 
+def _file_where_a_folder_is_needed(tmp_path: Path) -> tuple[Path, Path, str]:
+    (tmp_path / "a-file").write_text("not a folder")
+    return tmp_path / "a-file" / "sub", tmp_path / "a-file" / "sub", "a path segment is not a folder"
+
+
+def _folder_where_a_file_lands(tmp_path: Path) -> tuple[Path, Path, str]:
+    (tmp_path / "dest" / "config.json" / "inside").mkdir(parents=True)
+    return tmp_path / "dest", tmp_path / "dest" / "config.json", "is a folder, not a file"
+
+
+def _looping_link(tmp_path: Path) -> tuple[Path, Path, str]:
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    return tmp_path / "loop-a" / "dest", tmp_path / "loop-a", "too many levels of symbolic links"
+
+
 @pytest.mark.parametrize("verb", VERBS)
-@pytest.mark.parametrize("depth", [1, 2])
-def test_a_file_where_a_folder_is_needed_is_bad_input(tmp_path: Path, model: Path, verb: str, depth: int) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a folder")
-    dest = blocker.joinpath(*["sub"] * depth)
+@pytest.mark.parametrize("shape", [_file_where_a_folder_is_needed, _folder_where_a_file_lands, _looping_link])
+def test_a_tree_of_the_wrong_shape_is_bad_input(
+    tmp_path: Path, model: Path, verb: str, shape: Callable[[Path], tuple[Path, Path, str]]
+) -> None:
+    """ENOTDIR, EISDIR, ELOOP: what stands in the way is named, and left as it was."""
+    dest, named, words = shape(tmp_path)
+    in_the_way = {path: path.is_dir() for path in tmp_path.iterdir()}
     result = streamctl(*_command(verb, model, dest))
-    assert_refused(result, 2, "usage-error", dest, "a path segment is not a folder")
-    assert blocker.read_text() == "not a folder"
+    assert_refused(result, 2, "usage-error", named, words)
+    assert {path: path.is_dir() for path in tmp_path.iterdir()} == in_the_way
+    nothing_partial(tmp_path / "dest", model)  # files completed before the one refused are whole
 
 
 # -------------------------------------------------------------------------------- the machine runs out
@@ -273,3 +301,42 @@ def test_transfer_reads_a_config_nested_too_deeply_by_verify_index_rule(tmp_path
     else:
         assert result.exit_code == 0, result.stderr
     assert (dest / name).read_bytes() == (source / name).read_bytes()
+
+
+# ------------------------------------------------------------------------------------ the rule itself
+
+# errno -> (exit code, JSON code): the classes the README's exit-code table documents.
+DOCUMENTED = {
+    **dict.fromkeys(("EACCES", "EPERM"), (4, "access-denied")),
+    "EROFS": (4, "read-only-file-system"),
+    "ENOENT": (3, "not-found"),
+    **dict.fromkeys(
+        ("ENAMETOOLONG", "ENOTDIR", "EISDIR", "EEXIST", "ELOOP", "EXDEV", "ETXTBSY", "EBUSY", "EINVAL"),
+        (2, "usage-error"),
+    ),
+    **dict.fromkeys(("ENOSPC", "EDQUOT", "EFBIG", "EMFILE", "ENFILE", "ENOMEM", "EAGAIN"), (6, "out-of-resources")),
+    **dict.fromkeys(("EIO", "ESTALE"), (6, "remote-error")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED))
+def test_each_errno_class_has_its_exit_code_and_names_the_path(name: str) -> None:
+    from streamctl.oserrors import from_os_error, user_error
+
+    number = getattr(errno, name)
+    error = OSError(number, os.strerror(number), "/data/model/config.json")
+    for mapped in (from_os_error(error), user_error(error)):
+        assert mapped is not None and (mapped.exit_code, mapped.code) == DOCUMENTED[name], name
+        assert mapped.message.startswith("/data/model/config.json: ") and mapped.hint, mapped.message
+        assert "\n" not in mapped.message
+    assert ("permission" in from_os_error(error).message) == (name == "EACCES"), "EROFS is not a permission"
+
+
+def test_what_is_not_the_machine_refusing_stays_a_bug() -> None:
+    from streamctl.oserrors import user_error
+
+    assert user_error(OSError(errno.EBADF, "Bad file descriptor")) is None  # a descriptor we mishandled
+    assert user_error(OSError("no errno")) is None
+    assert user_error(RuntimeError("something else")) is None
+    assert user_error(RuntimeError("can't start new thread")) is not None
+    assert user_error(MemoryError()) is not None

@@ -203,7 +203,9 @@ def ensure_environment(
     (an exclusive lock beside the venv): a second one waits, then finds it built."""
     # An unwritable, full or read-only cache folder is the user's to fix, or to point elsewhere.
     with oserrors.mapped(venv, f"set STREAMCTL_CACHE to another folder, or {_BUILD_HINT}"):
-        return _ensure_environment(venv, vllm_version, progress, extra_pip_args, stamp_extra, check_imports, rebuild, build)
+        return _ensure_environment(
+            venv, vllm_version, progress, extra_pip_args, stamp_extra, check_imports, rebuild, build
+        )
 
 
 def _ensure_environment(

@@ -58,6 +58,8 @@ MIME_TYPE_XATTR = "user.mime_type"
 
 _XATTR_PREFIX = "user.streamctl."
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
 def _read_metadata(target: Path | str | int) -> dict[str, str]:
     try:
         names = os.listxattr(target)

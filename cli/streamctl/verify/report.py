@@ -247,7 +247,11 @@ class Findings:
             return False
         self.counts[key] += count
         self.severities.setdefault(key, severity)
-        return count == 1 and self.counts[key] <= FINDINGS_PER_CODE_AND_FILE and self.kept_per_code[code] < FINDINGS_PER_CODE
+        return (
+            count == 1
+            and self.counts[key] <= FINDINGS_PER_CODE_AND_FILE
+            and self.kept_per_code[code] < FINDINGS_PER_CODE
+        )
 
     def add(self, severity: Severity, code: str, file: str | None, tensor: str | None, message: str) -> None:
         with self.lock:
