@@ -4,7 +4,7 @@ Every local file access (the local store, the lease, manifests, shard's writer, 
 environment's cache folder) fails through `from_os_error`, so a read-only mount, a full disk or a 300-byte
 name reads the same wherever it happens: one line naming the path and what went wrong, a hint naming the
 fix, and an exit code a script can act on. `user_error` is the last-resort net app.py asks before calling
-anything a bug: an OSError (or an exhausted resource: memory, threads, recursion) that escaped a site.
+anything a bug: an OSError of a known errno (or exhausted memory or threads) that escaped a site.
 
 The classes, by what the user does about them:
 - permission (EACCES, EPERM): access denied, exit 4; a read-only file system (EROFS) also exit 4, with its
@@ -13,8 +13,8 @@ The classes, by what the user does about them:
   bad input, exit 2;
 - a missing path (ENOENT): not found, exit 3;
 - the machine out of something (ENOSPC, EDQUOT, EFBIG, EMFILE, ENFILE, ENOMEM, EAGAIN; MemoryError, a
-  thread that cannot start): OutOfResources, exit 6 as a full disk always was (kept for resume, as for a
-  lost link: free the space and run again);
+  thread that cannot start): OutOfResources, exit 6 as a full disk always was, not retried (waiting frees
+  no disk) and, as for a lost link, a transfer's sound parts kept to resume: free the space, run again;
 - the device failing (EIO, ESTALE, anything unknown): a remote-style failure, exit 6.
 """
 
