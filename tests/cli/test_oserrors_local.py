@@ -281,26 +281,32 @@ def test_no_memory_for_a_thread_is_out_of_resources(tmp_path: Path, model: Path,
 # -------------------------------------------------------------------------- configs nested too deeply
 
 
+@pytest.mark.parametrize("verb", VERBS)
 @pytest.mark.parametrize("name", ["config.json", "tokenizer_config.json", "modules.json"])
-def test_transfer_reads_a_config_nested_too_deeply_by_verify_index_rule(tmp_path: Path, model: Path, name: str) -> None:
-    """A config nested 200,000 deep points to nothing (transfer planned it with RecursionError before) and is
-    copied as data; verify-index's rule reports config.json's as config-invalid, the check after the copy too."""
+def test_a_config_nested_too_deeply_is_read_by_verify_index_rule(
+    tmp_path: Path, model: Path, verb: str, name: str
+) -> None:
+    """A config nested 200,000 deep (planning died of RecursionError, exit 70) is judged by verify-index's
+    rule for JSON: config.json's is config-invalid (after a transfer) or refused (shard, which needs it);
+    the others point to nothing and are copied as data."""
     source = tmp_path / "source"
     subprocess.run(["cp", "-r", str(model), str(source)], check=True)
-    (source / "1_Pooling").mkdir()
+    (source / "1_Pooling").mkdir()  # a sub-folder, so modules.json is read for the folders it names
     (source / "1_Pooling" / "config.json").write_text("{}")
     depth = 200_000
     (source / name).write_text('{"a":' * depth + "1" + "}" * depth)
     dest = tmp_path / "dest"
-    result = streamctl("transfer", str(source), str(dest))
+    result = streamctl(*_command(verb, source, dest)[:3] if verb == "transfer" else _command(verb, source, dest))
     document = json.loads(result.stdout)
-    if name == "config.json":
+    if name != "config.json":
+        assert result.exit_code == 0, result.stderr
+        assert (dest / name).read_bytes() == (source / name).read_bytes()
+    elif verb == "transfer":
         assert result.exit_code == 1, result.stderr
         codes = {finding["code"] for finding in document["verify"]["findings"] if finding["severity"] == "error"}
         assert codes == {"config-invalid"}, codes
     else:
-        assert result.exit_code == 0, result.stderr
-    assert (dest / name).read_bytes() == (source / name).read_bytes()
+        assert_refused(result, 2, "usage-error", source / name, "is not a JSON object")
 
 
 # ------------------------------------------------------------------------------------ the rule itself
