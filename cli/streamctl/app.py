@@ -20,6 +20,7 @@ from streamctl.commands._environment import Command, Group, flag_from_environmen
 from streamctl.commands._options import DebugOption, QuietOption
 from streamctl.commands.help import with_examples
 from streamctl.errors import Interrupted, StreamctlError, UsageError
+from streamctl.oserrors import user_error
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70
@@ -115,7 +116,8 @@ def _click_error(error: click_errors.ClickException) -> StreamctlError:
 def main() -> None:
     """The one entry point. With --json among streamctl's own arguments every failure, Click's own included,
     is one JSON document on stdout; without, Click prints its usage errors itself. Either way each failure
-    maps to its exit code here: StreamctlError's own, 130 for Ctrl-C, 70 for a bug."""
+    maps to its exit code here: StreamctlError's own, 130 for Ctrl-C, an OSError or exhausted resource that
+    escaped its site by streamctl.oserrors, 70 for a bug."""
     json_errors = _json_requested(sys.argv[1:])
     if json_errors:
         output.configure(json_output=True)
@@ -134,8 +136,13 @@ def main() -> None:
     except (KeyboardInterrupt, typer.Abort):  # outside a command
         exit_code = EXIT_INTERRUPTED
     except Exception as error:  # noqa: BLE001 - a bug: say so in one line, traceback only on request
-        output.print_internal_error(error, EXIT_INTERNAL_ERROR)
-        exit_code = EXIT_INTERNAL_ERROR
+        refused = user_error(error)  # what the machine refused (errno, memory, threads) is the user's, not a bug
+        if refused is not None:
+            refused.__traceback__ = error.__traceback__  # --debug shows where it escaped
+            exit_code = _failed(refused)
+        else:
+            output.print_internal_error(error, EXIT_INTERNAL_ERROR)
+            exit_code = EXIT_INTERNAL_ERROR
     if exit_code == EXIT_INTERRUPTED:
         interrupted = Interrupted("interrupted")
         interrupted.exit_code = EXIT_INTERRUPTED

@@ -9,7 +9,6 @@ run whose checks failed), shown with the error.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 
@@ -75,6 +74,15 @@ class DeadlineExceededError(RemoteError):
     do not retry it again (each retry would cost another full deadline)."""
 
 
+class OutOfResources(RemoteError):
+    """The machine ran out of something the run needs: disk space or quota, a file-size limit, memory, open
+    files, threads (streamctl.oserrors). Exit 6 as a full disk always was, and like a lost link a transfer's
+    sound parts stay to resume once space is freed; its own code, so a script can tell it from the network.
+    Not retried (streamctl.retry): waiting seconds frees no disk."""
+
+    code = "out-of-resources"
+
+
 class EngineFailed(RemoteError):
     """The engine streamctl runs beside itself (`shard --engine vllm-cpu`'s vLLM worker process) died or
     broke its pipe protocol: a service that failed mid-request, so exit 6 as for any other (not retried:
@@ -107,9 +115,9 @@ class _Findings(Protocol):
     """What ChecksFailed reads of a verify report (streamctl.verify's VerifyReport)."""
 
     @property
-    def errors(self) -> Sequence[object]: ...
+    def error_count(self) -> int: ...
     @property
-    def warnings(self) -> Sequence[object]: ...
+    def warning_count(self) -> int: ...
     @property
     def checkpoint(self) -> str: ...
 
@@ -120,7 +128,7 @@ class ChecksFailed(VerificationFailed):
     line under it: the report says what failed."""
 
     def __init__(self, result: object, report: _Findings) -> None:
-        super().__init__(f"{len(report.errors)} errors and {len(report.warnings)} warnings in {report.checkpoint}")
+        super().__init__(f"{report.error_count:,} errors and {report.warning_count:,} warnings in {report.checkpoint}")
         self.result = result
 
 

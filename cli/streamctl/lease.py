@@ -135,7 +135,7 @@ class Holder:
                 boot_id=document.get("boot_id"),
                 pid_ns=document.get("pid_ns"),
             )
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):  # nested too deep: not ours
             return None
 
     def describe(self) -> str:

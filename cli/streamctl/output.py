@@ -330,7 +330,7 @@ def _rate(byte_count: int, seconds: float) -> str:
 def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     """The findings as a table, at most FINDINGS_SHOWN_PER_GROUP per code and file and FINDINGS_SHOWN_PER_CODE
     per code over all files (a location with 200,000 missing shards stays readable and quick); the rest are
-    counted on one row per code. `--json` lists every finding the library reports."""
+    counted on one row per code. `--json` lists every finding the library keeps (1,000 per code)."""
     console = stderr() if to_stderr else stdout()
     if report.findings:
         rows: list[list[Text]] = []
@@ -340,6 +340,9 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
         for finding in report.findings:
             group = (finding.severity, finding.code, finding.file)
             per_code = (finding.severity, finding.code)
+            if finding.omitted:  # the library's own count of those it did not keep: one row with the rest
+                hidden_per_code[per_code] = hidden_per_code.get(per_code, 0) + finding.omitted
+                continue
             shown[group] = shown.get(group, 0) + 1
             if shown[group] > FINDINGS_SHOWN_PER_GROUP:
                 continue
@@ -367,8 +370,8 @@ def render_verify_report(report: VerifyReport, to_stderr: bool = False) -> None:
     stats = report.stats
     verdict = "[bold green]OK[/]" if report.ok else "[bold red]FAILED[/]"
     print_phrases(console, [
-        f"{verdict} {escape(report.checkpoint)} ({report.layout}):", plural(len(report.errors), "error") + ",",
-        plural(len(report.warnings), "warning") + ";", plural(stats.files, "file") + ",",
+        f"{verdict} {escape(report.checkpoint)} ({report.layout}):", plural(report.error_count, "error") + ",",
+        plural(report.warning_count, "warning") + ";", plural(stats.files, "file") + ",",
         plural(stats.tensors, "tensor") + ",", f"{human_bytes(stats.total_bytes)} checkpoint,",
         f"{human_bytes(stats.bytes_read)} of headers read", f"in {plural(stats.requests, 'request')},",
         f"{stats.seconds:.2f} s",

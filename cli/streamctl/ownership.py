@@ -64,7 +64,7 @@ def read_manifests(dest: Location, sizes: Mapping[str, int]) -> dict[str, dict[s
             raw = dest.store.read_range(dest.key(name), 0, size)
             try:
                 value = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: not ours
                 value = None
             document = value if isinstance(value, dict) else None
         found[name] = document

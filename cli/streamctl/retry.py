@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from streamctl.errors import DeadlineExceededError, RemoteError
+from streamctl.errors import DeadlineExceededError, OutOfResources, RemoteError
 
 T = TypeVar("T")
 
@@ -39,8 +39,9 @@ def with_retries(
         try:
             return operation()
         except RemoteError as error:
-            # A request past its deadline was already retried by the storage layer, each try a full deadline.
-            final = isinstance(error, DeadlineExceededError) or attempt + 1 >= policy.attempts
+            # A request past its deadline was already retried by the storage layer, each try a full deadline;
+            # a full disk or an exhausted limit does not recover in seconds: the user frees space, runs again.
+            final = isinstance(error, (DeadlineExceededError, OutOfResources)) or attempt + 1 >= policy.attempts
             if final or (cancelled is not None and cancelled.is_set()):
                 raise
             if on_retry is not None:

@@ -199,7 +199,7 @@ def _read(dest: Location, key: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, None
     try:
         document = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: not one we wrote
         document = None
     return (document if isinstance(document, dict) else None), version
 

@@ -24,7 +24,6 @@ the manifest is merged share by share; the worker whose share completes it remov
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,6 +43,7 @@ from streamctl.checkpoint.files import (
     select_files,
 )
 from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import (
     ChecksFailed,
     DestinationBusy,
@@ -273,11 +273,9 @@ def _with_metadata(location: Location, info: ObjectInfo) -> ObjectInfo:
 
 
 def _read_json(location: Location, path: str, size: int) -> object:
-    raw = location.store.read_range(location.key(path), 0, size)
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return None
+    """The JSON document at `path`; None when it is not one verify-index would accept (nested too deeply, or a
+    JSON bomb, included: the same rule, never a RecursionError)."""
+    return decode_json_strictly(location.store.read_range(location.key(path), 0, size), what=path).value
 
 
 def _indexed_shards(source: Location, size: int) -> frozenset[str] | None:

@@ -308,7 +308,8 @@ def test_a_dest_that_fails_mid_write_aborts_every_file(tmp_path: Path, tiny: dic
     )
     assert completed.returncode == 6, completed.stderr
     error = json.loads(completed.stdout)["error"]
-    assert "model-rank-" in error["message"] and "File too large" in error["message"], error
+    assert error["code"] == "out-of-resources", error
+    assert "model-rank-" in error["message"] and "file too large" in error["message"], error
     assert not dest.exists() or sorted(dest.rglob("*")) == []
 
 

@@ -75,8 +75,8 @@ def test_a_mistral_consolidated_index_is_picked_up(location: Location) -> None:
 def test_report_json_has_the_documented_shape(location: Location) -> None:
     write_hf_checkpoint(location, config=False)
     document = run(location).to_json()
-    assert set(document) == {"ok", "checkpoint", "layout", "findings", "stats"}
-    assert document["ok"] is False and document["layout"] == "indexed"
+    assert set(document) == {"ok", "checkpoint", "layout", "findings", "omitted", "stats"}
+    assert document["ok"] is False and document["layout"] == "indexed" and document["omitted"] == {}
     assert document["findings"] == [
         {
             "severity": "error",

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import posixpath
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import NotFoundError
 
 if TYPE_CHECKING:
@@ -194,9 +194,13 @@ def read_config_references(
         if name in documents or size is None or size > MAX_CONFIG_BYTES:
             continue
         try:
-            documents[name] = json.loads(location.store.read_range(location.key(name), 0, size))
-        except (ValueError, UnicodeDecodeError, NotFoundError):
-            continue  # gone since the listing, or not JSON: it points to nothing
+            data = location.store.read_range(location.key(name), 0, size)
+        except NotFoundError:
+            continue  # gone since the listing: it points to nothing
+        # verify-index's rule for JSON (nested too deeply, a JSON bomb, not UTF-8): such a config points to nothing.
+        document = decode_json_strictly(data, what=name)
+        if document.error is None:
+            documents[name] = document.value
     return config_references(documents, sizes)
 
 

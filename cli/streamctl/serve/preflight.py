@@ -41,7 +41,7 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
     )
     if not report.ok:
         raise PreflightFailed(
-            f"pre-flight found {plural(len(report.errors), 'error')} in {report.checkpoint}",
+            f"pre-flight found {plural(report.error_count, 'error')} in {report.checkpoint}",
             hint="fix them (see the table above), or pass --no-preflight to launch anyway",
             report=report,
             details=report.to_json(),  # the findings, as verify-index --json shows them

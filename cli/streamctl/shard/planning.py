@@ -66,7 +66,11 @@ def _read_small(location: Location, name: str, size: int, limit: int = MAX_CONFI
 def read_json_object(location: Location, name: str, size: int) -> dict[str, Any]:
     document = decode_json_strictly(_read_small(location, name, size), what=name)
     if document.error is not None or not isinstance(document.value, dict):
-        raise UsageError(f"{location.store.url(location.key(name))} is not a JSON object")
+        why = f" ({document.error.message})" if document.error is not None else ""
+        raise UsageError(
+            f"{location.store.url(location.key(name))} is not a JSON object{why}",
+            hint="verify-index SOURCE reports what is wrong with it (config-invalid)",
+        )
     return document.value
 
 

@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamctl import oserrors
 from streamctl.checkpoint.vllm_layouts import default_vllm_version, parse_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
 from streamctl.progress import Progress
@@ -200,6 +201,23 @@ def ensure_environment(
 ) -> Path:
     """The venv's python, building the environment first unless its stamp matches. One builder at a time
     (an exclusive lock beside the venv): a second one waits, then finds it built."""
+    # An unwritable, full or read-only cache folder is the user's to fix, or to point elsewhere.
+    with oserrors.mapped(venv, f"set STREAMCTL_CACHE to another folder, or {_BUILD_HINT}"):
+        return _ensure_environment(
+            venv, vllm_version, progress, extra_pip_args, stamp_extra, check_imports, rebuild, build
+        )
+
+
+def _ensure_environment(
+    venv: Path,
+    vllm_version: str,
+    progress: Progress,
+    extra_pip_args: Sequence[str],
+    stamp_extra: str,
+    check_imports: Sequence[str],
+    rebuild: bool,
+    build: BuildStep | None,
+) -> Path:
     stamp = recipe_stamp(vllm_version, extra_pip_args, stamp_extra)
     if not rebuild and is_built(venv, stamp):
         return venv_python(venv)

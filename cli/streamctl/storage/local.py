@@ -30,13 +30,12 @@ from pathlib import Path
 
 from streamctl._libc import start_writeback
 from streamctl.errors import (
-    AccessDeniedError,
     NotFoundError,
     PreconditionFailed,
     RemoteError,
-    StreamctlError,
     UsageError,
 )
+from streamctl.oserrors import from_os_error
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
     HeldPart,
@@ -59,35 +58,6 @@ MIME_TYPE_XATTR = "user.mime_type"
 
 _XATTR_PREFIX = "user.streamctl."
 _FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-# Errors that say the name itself cannot exist here: the user's to fix (exit 2), never worth a retry.
-_BAD_NAME = {
-    errno.ENAMETOOLONG: "name too long for this file system",
-    errno.EILSEQ: "name not valid on this file system",
-    errno.EINVAL: "name or request not valid on this file system",
-    errno.ELOOP: "too many levels of symbolic links",
-    errno.ENOTDIR: "a path segment is not a folder",
-    errno.EISDIR: "is a folder, not a file",
-    errno.ENOTEMPTY: "is a folder, not a file",
-    errno.EEXIST: "exists and is not a folder",
-    errno.ENXIO: "not a regular file (a socket or a device without a reader)",
-}
-
-
-def _map_os_error(error: OSError, path: Path) -> StreamctlError:
-    if isinstance(error, FileNotFoundError) or error.errno == errno.ENOENT:
-        return NotFoundError(f"{path}: no such file or folder")
-    if isinstance(error, PermissionError) or error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return AccessDeniedError(f"{path}: permission denied", hint="check the folder's owner and mode")
-    if error.errno == errno.ENAMETOOLONG:
-        return UsageError(
-            f"{path}: name too long for this file system ({len(path.name.encode(errors='surrogateescape'))} bytes)",
-            hint="most file systems allow 255 bytes per name: rename the file, or choose another destination",
-        )
-    if error.errno in _BAD_NAME:
-        return UsageError(f"{path}: {_BAD_NAME[error.errno]}")
-    if error.errno == errno.ENOSPC:
-        return RemoteError(f"{path}: no space left on device", hint="free disk space or choose another folder")
-    return RemoteError(f"{path}: {error.strerror or error}")
 
 
 def _read_metadata(target: Path | str | int) -> dict[str, str]:
@@ -300,7 +270,7 @@ class LocalMultipartUpload:
                 offset += done
             start_writeback(fd, start, offset - start)
         except OSError as error:
-            raise _map_os_error(error, self.final_path) from None
+            raise from_os_error(error, self.final_path) from None
 
     def positional_writer(self) -> PositionalWrite:
         return self.write_at
@@ -314,7 +284,7 @@ class LocalMultipartUpload:
         try:
             fd = os.open(self.final_path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._token_fd)
         except OSError as error:
-            raise _map_os_error(error, self.temporary_path) from None
+            raise from_os_error(error, self.temporary_path) from None
         try:
             size = os.fstat(fd).st_size
             for index, start in enumerate(range(0, size, self.part_size)):
@@ -324,7 +294,7 @@ class LocalMultipartUpload:
                     crc = zlib.crc32(os.pread(fd, min(8 << 20, start + length - offset), offset), crc)
                 self._held.append(HeldPart(index, length, f"{crc:08x}", "crc32"))
         except OSError as error:
-            raise _map_os_error(error, self.temporary_path) from None
+            raise from_os_error(error, self.temporary_path) from None
         finally:
             os.close(fd)
 
@@ -344,7 +314,7 @@ class LocalMultipartUpload:
                 os.rename(name, name, src_dir_fd=self._token_fd, dst_dir_fd=self._parent_fd)
                 size = os.stat(name, dir_fd=self._parent_fd, follow_symlinks=False).st_size
             except OSError as error:
-                raise _map_os_error(error, self.final_path) from None
+                raise from_os_error(error, self.final_path) from None
             self._state = "completed"
             self._close_folders()
         # Lower-cased like the stored attributes, so complete() and stat() agree (see ObjectInfo).
@@ -363,7 +333,7 @@ class LocalMultipartUpload:
             except FileNotFoundError:
                 pass
             except OSError as error:
-                raise _map_os_error(error, self.temporary_path) from None
+                raise from_os_error(error, self.temporary_path) from None
             finally:
                 self._close_folders()
 
@@ -394,7 +364,7 @@ def _create_temporary(parent_fd: int, name: str, final: Path, resume: str | None
         except FileNotFoundError:
             continue  # another upload's clean-up removed the emptied temporary folder meanwhile: again
         except OSError as error:
-            raise _map_os_error(error, shown) from None
+            raise from_os_error(error, shown) from None
     else:
         raise RemoteError(f"{shown}: the temporary folder keeps vanishing", hint="is another program removing it?")
     flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO: ENXIO, never a wait
@@ -412,7 +382,7 @@ def _create_temporary(parent_fd: int, name: str, final: Path, resume: str | None
     except OSError as error:
         _remove_upload_folder(parent_fd, token)
         os.close(token_fd)
-        raise _map_os_error(error, final) from None
+        raise from_os_error(error, final) from None
     return token, token_fd, fd, found
 
 
@@ -459,7 +429,7 @@ class LocalStore:
         try:
             self._visit(start, base_dir, prefix, root, frozenset({_identity(os.stat(start))}), scan)
         except OSError as error:
-            raise _map_os_error(error, Path(start)) from None
+            raise from_os_error(error, Path(start)) from None
         scan.files.sort(key=lambda listed: listed.key)
         scan.temporary.sort(key=lambda pair: pair[1].key)
         scan.notes.sort(key=lambda entry: entry.key)
@@ -577,7 +547,7 @@ class LocalStore:
         except FileNotFoundError:
             pass
         except OSError as error:
-            raise _map_os_error(error, self._path(temporary_key(temporary.final_key, temporary.token))) from None
+            raise from_os_error(error, self._path(temporary_key(temporary.final_key, temporary.token))) from None
         finally:
             _remove_upload_folder(parent_fd, temporary.token)
             os.close(parent_fd)
@@ -602,12 +572,12 @@ class LocalStore:
         try:
             fd = os.open(target, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         try:
             info = os.fstat(fd)
         except OSError as error:
             os.close(fd)
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         if not stat_mode.S_ISREG(info.st_mode):
             os.close(fd)
             if stat_mode.S_ISDIR(info.st_mode):
@@ -639,7 +609,7 @@ class LocalStore:
                 left -= len(chunk)
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         finally:
             os.close(fd)
 
@@ -657,7 +627,7 @@ class LocalStore:
                 filled += count
             return filled
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         finally:
             os.close(fd)
 
@@ -674,14 +644,14 @@ class LocalStore:
                 os.makedirs(self.root, exist_ok=True)
             fd = os.open(self.root, _FOLDER_FLAGS)
         except OSError as error:
-            raise _map_os_error(error, self.root) from None
+            raise from_os_error(error, self.root) from None
         try:
             for depth, part in enumerate(parts[:-1], start=1):
                 shown = self.root.joinpath(*parts[:depth])
                 try:
                     inner = _open_folder(fd, part, shown, create)
                 except OSError as error:
-                    raise _map_os_error(error, shown) from None
+                    raise from_os_error(error, shown) from None
                 os.close(fd)
                 fd = inner
         except BaseException:
@@ -745,7 +715,7 @@ class LocalStore:
         except FileNotFoundError:
             pass
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         finally:
             os.close(parent_fd)
 
@@ -758,6 +728,8 @@ class LocalStore:
                 return path
             except FileNotFoundError:
                 continue  # another write's clean-up removed the emptied temporary folder meanwhile: again
+            except OSError as error:
+                raise from_os_error(error, path.parent.parent.parent) from None  # DEST's folder, as the user sees it
         raise RemoteError(
             f"{path.parent.parent}: the temporary folder keeps vanishing", hint="is another program removing it?"
         )
@@ -784,7 +756,7 @@ class LocalStore:
                     raise PreconditionFailed(f"{final} already exists") from None
             return _version(stat, data)
         except OSError as error:
-            raise _map_os_error(error, final) from None
+            raise from_os_error(error, final) from None
         finally:
             _remove_lease_temporary(temporary)
 
@@ -795,7 +767,7 @@ class LocalStore:
                 stat = os.fstat(handle.fileno())
                 data = handle.read()
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
         return data, _version(stat, data)
 
     def _check_version(self, key: str, version: str) -> None:
@@ -816,7 +788,7 @@ class LocalStore:
                 os.replace(temporary, final)
             return _version(stat, data)
         except OSError as error:
-            raise _map_os_error(error, final) from None
+            raise from_os_error(error, final) from None
         finally:
             _remove_lease_temporary(temporary)
 
@@ -829,7 +801,7 @@ class LocalStore:
         except FileNotFoundError:
             raise PreconditionFailed(f"{path} is gone") from None
         except OSError as error:
-            raise _map_os_error(error, path) from None
+            raise from_os_error(error, path) from None
 
 
 def _identity(info: os.stat_result) -> tuple[int, int]:

@@ -535,7 +535,7 @@ class S3Store(_errors.CloudRequests):
             return str(document["upload_id"]), {str(k): str(v) for k, v in dict(document["metadata"]).items()}
         except NotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return None  # not a record this version wrote: start afresh (the new one replaces it)
 
     def _create_upload(

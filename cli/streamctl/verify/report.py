@@ -76,7 +76,10 @@ Finding codes
 | `transfer-incomplete` | warning | a `transfer --worker K/N` copy is not complete: `streamctl-manifest.json` says `"complete": false` and names the shares still to run (each worker merges its share in; the last one completes it) |
 
 When one code repeats more than 25 times for one file, the rest are summed up in one finding with that
-code, no tensor, and a message that says how many more there were.
+code, no tensor, and a message that says how many more there were. Over all files, one code keeps at most
+1,000 findings (an index naming a million missing shards): the rest are counted, in one finding with that
+code and no file, and in the report's `omitted` (code -> count), so the report's memory and its JSON stay
+bounded however many there are.
 """
 
 from __future__ import annotations
@@ -95,6 +98,8 @@ Layout = Literal["indexed", "single", "sharded"]
 SHARD_INCOMPLETE_CODE = "shard-incomplete"
 TRANSFER_INCOMPLETE_CODE = "transfer-incomplete"
 FINDINGS_PER_CODE_AND_FILE = PROBLEMS_KEPT_PER_CODE  # the header parser keeps as many and counts the rest
+# Findings kept of one code over all files; the rest only counted (1,000 of ~200 bytes each in the JSON).
+FINDINGS_PER_CODE = 1000
 
 
 @dataclass(frozen=True)
@@ -104,6 +109,8 @@ class Finding:
     file: str | None
     tensor: str | None
     message: str
+    # A summary finding (no file) standing for this many of its code that were counted, not kept.
+    omitted: int = 0
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,20 @@ class VerifyReport:
     pipeline_parallel_size: int | None = None
 
     @property
+    def omitted(self) -> dict[str, int]:
+        """code -> findings counted but not listed (beyond FINDINGS_PER_CODE of one code)."""
+        return {finding.code: finding.omitted for finding in self.findings if finding.omitted}
+
+    @property
+    def error_count(self) -> int:
+        """Errors found, those counted but not listed included (a summary finding stands for its `omitted`)."""
+        return sum(finding.omitted or 1 for finding in self.errors)
+
+    @property
+    def warning_count(self) -> int:
+        return sum(finding.omitted or 1 for finding in self.warnings)
+
+    @property
     def ok(self) -> bool:
         return not self.errors
 
@@ -191,6 +212,7 @@ class VerifyReport:
                 }
                 for finding in self.findings
             ],
+            "omitted": self.omitted,
             "stats": {
                 "files": self.stats.files,
                 "tensors": self.stats.tensors,
@@ -204,27 +226,43 @@ class VerifyReport:
 
 @dataclass
 class Findings:
-    """Collects findings; caps each (code, file) at FINDINGS_PER_CODE_AND_FILE and sums up the rest."""
+    """Collects findings in bounded memory: caps each (code, file) at FINDINGS_PER_CODE_AND_FILE and sums up
+    the rest per file; caps each code at FINDINGS_PER_CODE over all files and only counts the rest. Every
+    finding is kept, summed up in its file's count, or counted in `omitted` (code -> count)."""
 
     kept: list[Finding] = field(default_factory=list)
-    counts: Counter[tuple[str, str | None]] = field(default_factory=Counter)
+    counts: Counter[tuple[str, str | None]] = field(default_factory=Counter)  # only files with a kept finding
+    kept_per_code: Counter[str] = field(default_factory=Counter)
+    omitted: Counter[str] = field(default_factory=Counter)
     severities: dict[tuple[str, str | None], Severity] = field(default_factory=dict)
+    code_severities: dict[str, Severity] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)  # the index and config are read in threads
 
-    def add(self, severity: Severity, code: str, file: str | None, tensor: str | None, message: str) -> None:
+    def _count(self, severity: Severity, code: str, file: str | None, count: int) -> bool:
+        """Count `count` findings; True when one of them may be kept. Call with the lock held."""
         key = (code, file)
+        self.code_severities.setdefault(code, severity)
+        if key not in self.counts and self.kept_per_code[code] >= FINDINGS_PER_CODE:
+            self.omitted[code] += count
+            return False
+        self.counts[key] += count
+        self.severities.setdefault(key, severity)
+        return (
+            count == 1
+            and self.counts[key] <= FINDINGS_PER_CODE_AND_FILE
+            and self.kept_per_code[code] < FINDINGS_PER_CODE
+        )
+
+    def add(self, severity: Severity, code: str, file: str | None, tensor: str | None, message: str) -> None:
         with self.lock:
-            self.counts[key] += 1
-            self.severities.setdefault(key, severity)
-            if self.counts[key] <= FINDINGS_PER_CODE_AND_FILE:
+            if self._count(severity, code, file, 1):
+                self.kept_per_code[code] += 1
                 self.kept.append(Finding(severity, code, file, tensor, message))
 
     def add_unkept(self, severity: Severity, code: str, file: str | None, count: int) -> None:
         """Count `count` more findings that were dropped before they got here (the header parser's)."""
-        key = (code, file)
         with self.lock:
-            self.counts[key] += count
-            self.severities.setdefault(key, severity)
+            self._count(severity, code, file, count)
 
     def error(self, code: str, file: str | None, message: str, tensor: str | None = None) -> None:
         self.add("error", code, file, tensor, message)
@@ -237,12 +275,16 @@ class Findings:
 
     def result(self) -> tuple[Finding, ...]:
         findings = list(self.kept)
+        kept_per_key = Counter((finding.code, finding.file) for finding in self.kept)
         for (code, file), count in self.counts.items():
-            if count > FINDINGS_PER_CODE_AND_FILE:
-                more = count - FINDINGS_PER_CODE_AND_FILE
+            more = count - kept_per_key[(code, file)]
+            if more > 0:
                 findings.append(
-                    Finding(self.severities[(code, file)], code, file, None, f"... and {more} more {code} findings")
+                    Finding(self.severities[(code, file)], code, file, None, f"... and {more:,} more {code} findings")
                 )
+        for code, count in self.omitted.items():
+            message = f"... and {count:,} more {code} findings in other files (not listed: over {FINDINGS_PER_CODE:,})"
+            findings.append(Finding(self.code_severities[code], code, None, None, message, omitted=count))
         # Stable order: location-wide findings first, then by file, code and tensor.
         findings.sort(key=lambda item: (item.file or "", item.code, item.tensor or "", item.message))
         return tuple(findings)
