@@ -77,6 +77,7 @@ from streamctl.storage.base import (
     ObjectInfo,
     StorageOptions,
     is_safe_relative_path,
+    unsafe_path_reason,
 )
 from streamctl.uploads import (
     SHA256_KEY,
@@ -387,8 +388,13 @@ def plan_transfer(
         raise NotFoundError(f"no files under {source.url}{left_out}")
     unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
     if unsafe:
+        # Folder markers (empty `NAME/` objects) are not listed; one holding bytes is data no file can be named.
+        name, size = unsafe[0], listing[unsafe[0]].size
         raise UsageError(
-            f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths"
+            f"refusing unsafe file name {name!r} in {source.url} ({source.store.url(source.key(name))}, "
+            f"{size:,} bytes: it {unsafe_path_reason(name)})"
+            + (f", and {len(unsafe) - 1:,} more" if len(unsafe) > 1 else ""),
+            hint="names must be plain relative paths: rename or remove that object, or copy a prefix without it",
         )
     commit: str | None = getattr(source.store, "commit", None)
 
