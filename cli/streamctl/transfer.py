@@ -53,7 +53,7 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.lease import Lease, hold_lease
+from streamctl.lease import Lease, hold_lease, lease_name
 from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.locations import check_disjoint
 from streamctl.ownership import (
@@ -79,6 +79,7 @@ from streamctl.storage.base import (
     is_safe_relative_path,
     unsafe_path_reason,
 )
+from streamctl.storage.names import check_names_fit
 from streamctl.uploads import (
     SHA256_KEY,
     ByteBudget,
@@ -381,6 +382,8 @@ def plan_transfer(
     in DEST (see streamctl.ownership). Writes nothing; a DEST that overlaps SOURCE is refused (exit 2)."""
     options.validate()
     check_disjoint(source, dest)
+    own_names = [MANIFEST_NAME, lease_name(options.worker)]
+    check_names_fit(dest, own_names)  # DEST's own prefix or path first: then it can be listed
     listing = {source.relative(info.key): info for info in source.list()}
     notes = listing_notes(source)
     if not listing:
@@ -439,6 +442,7 @@ def plan_transfer(
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     _check_part_limits(dest, files, options)
+    check_names_fit(dest, [*(file.path for file in files if file.action == "copy"), *own_names])
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
     candidates = [*existing, *unfollowed_links(dest_notes)]
