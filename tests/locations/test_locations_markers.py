@@ -24,7 +24,9 @@ from shard_models import write_model
 MARKERS = ("", "sub/", "sub/deeper/", "tokenizer/")  # relative to the model's prefix: itself, nested, deeper
 
 
-def put(storage_servers: StorageServers, root: str, key: str, data: bytes, metadata: dict[str, str] | None = None) -> None:
+def put(
+    storage_servers: StorageServers, root: str, key: str, data: bytes, metadata: dict[str, str] | None = None
+) -> None:
     """Write one object through the backend's own SDK, as a console or another tool would."""
     scheme, _, rest = root.partition("://")
     bucket, _, prefix = rest.partition("/")
@@ -96,9 +98,7 @@ def test_markers_are_skipped_and_reported_and_the_copy_is_exact(
 
     verified = run_cli("verify-index", source, "--json", env=env)
     assert verified.exit_code == 0, verified.stdout + verified.stderr
-    warnings = [
-        finding for finding in verified.json()["findings"] if finding["code"] == "entry-skipped"
-    ]
+    warnings = [finding for finding in verified.json()["findings"] if finding["code"] == "entry-skipped"]
     assert {(finding["file"] or "").rstrip("/") for finding in warnings} >= expected, warnings
 
     sharded = run_cli("shard", source, str(tmp_path / "tp2"), "-tp", "2", "--json", env=env)
@@ -106,7 +106,9 @@ def test_markers_are_skipped_and_reported_and_the_copy_is_exact(
     assert {path.rstrip("/") for path in skipped_markers(sharded.json())} >= expected
 
 
-def test_a_source_of_markers_only_is_not_found(tmp_path: Path, bucket_root: str, env: dict[str, str], storage_servers: StorageServers) -> None:
+def test_a_source_of_markers_only_is_not_found(
+    tmp_path: Path, bucket_root: str, env: dict[str, str], storage_servers: StorageServers
+) -> None:
     source = f"{bucket_root}/empty"
     for marker in MARKERS:
         put(storage_servers, source, marker, b"")

@@ -148,7 +148,9 @@ def test_the_json_error_document_names_the_meaning(model: Path, cwd: Path) -> No
     assert list(cwd.iterdir()) == []
 
 
-def test_a_trailing_cr_never_reaches_a_bucket(model: Path, cwd: Path, s3_root: str, storage_env: dict[str, str]) -> None:
+def test_a_trailing_cr_never_reaches_a_bucket(
+    model: Path, cwd: Path, s3_root: str, storage_env: dict[str, str]
+) -> None:
     result = run_cli("transfer", str(model), f"{s3_root}/model\r", env=storage_env, cwd=cwd)
     assert result.exit_code == 2, result.stderr
     assert f"did you mean {s3_root + '/model'!r}?" in result.stderr

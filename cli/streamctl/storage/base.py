@@ -337,7 +337,7 @@ def folder_marker_reason(info: ObjectInfo) -> str | None:
     if info.metadata.get("hdi_isfolder", "").lower() == "true":
         return f"a folder of Azure's hierarchical namespace ({info.key!r}, metadata hdi_isfolder=true): skipped"
     if info.key.endswith("/") and info.size == 0:
-        return f"an empty folder marker object {info.key!r} (as a console's \"Create folder\" writes): skipped"
+        return f"an empty object {info.key!r}: a folder marker, as the consoles' Create folder writes: skipped"
     return None
 
 

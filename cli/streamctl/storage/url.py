@@ -82,6 +82,7 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 # and no `//` they are typos, which would otherwise name a local folder such as `./s3:` silently.
 _KNOWN_SCHEMES = frozenset(SCHEMES) | frozenset(ALIASES) | {"https"}
 _SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)(.*)$", re.DOTALL)
+_FILE_SHORT_FORM = re.compile(r"^file:/(?!/)", re.IGNORECASE)  # RFC 8089's file:/ABSOLUTE/PATH
 
 
 def _with_slashes(url: str) -> str | None:
@@ -106,10 +107,10 @@ def _refuse_typos(url: str) -> None:
             + (f": did you mean {meant!r}?" if meant else ""),
             hint="locations never hold control characters (a pasted line break, a CR from a file saved on Windows)",
         )
-    meant = _with_slashes(url)
-    if meant is not None and not re.match(r"^file:/(?!/)", url, re.IGNORECASE):
+    with_slashes = _with_slashes(url)
+    if with_slashes is not None and not _FILE_SHORT_FORM.match(url):
         raise UsageError(
-            f"location {url!r} has a scheme but no '//': did you mean {meant!r}?",
+            f"location {url!r} has a scheme but no '//': did you mean {with_slashes!r}?",
             hint=f"write SCHEME://...; for a local folder of that name write ./{url}",
         )
 
@@ -119,7 +120,7 @@ def parse_url(url: str) -> ParsedURL:
     if not url or not url.strip():
         raise UsageError("empty location")
     _refuse_typos(url)
-    if re.match(r"^file:/(?!/)", url, re.IGNORECASE):  # RFC 8089's short form of file:///ABSOLUTE/PATH
+    if _FILE_SHORT_FORM.match(url):
         return ParsedURL("file", unquote(url[len("file:") :]), "")
     azure = _AZURE_HTTPS.match(url)
     if azure:
