@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,3 +194,27 @@ def test_a_bucket_key_with_a_long_segment_cannot_become_a_local_file(
     assert result.exit_code == 2, result.stderr
     assert "'zzz" in result.stderr and "/notes/zzz" in result.stderr and "304 bytes" in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_vllm_gpu_engine_refuses_a_long_dest_before_its_lease_and_before_vllm(
+    model: Path, bucket_root: str, storage_servers: StorageServers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM names its own files as it saves: each rank's first part, the serving files, the manifest and the
+    lease are checked before the lease is taken. (No GPU here: only the availability probe is stubbed.)"""
+    from streamctl.errors import UsageError
+    from streamctl.shard import vllm_engine
+    from streamctl.shard.plan import ShardOptions
+
+    monkeypatch.setattr(vllm_engine, "check_vllm_engine_available", lambda: None)
+
+    def runner(command: list[str]) -> Any:
+        raise AssertionError("vLLM must not be started")
+
+    with pytest.raises(UsageError, match=r"name too long for .*holds 1,024"):
+        vllm_engine.shard_with_vllm(
+            open_location(str(model)),
+            open_location(f"{bucket_root}/{'p' * 1_000}"),
+            ShardOptions(tensor_parallel_size=2, engine="vllm-gpu"),
+            runner=runner,
+        )
+    assert everything_in(storage_servers, bucket_root) == []
