@@ -119,18 +119,28 @@ def command_lines(model: Path, location: str) -> dict[str, list[str]]:
         "shard DEST": ["shard", str(model), location, "-tp", "2"],
         "shard SOURCE": ["shard", location, "out", "-tp", "2"],
         "serve": ["serve", location, "--dry-run", "--no-preflight"],
+        "serve --k8s": ["serve", location, "--k8s"],
         "transfer --k8s-job": ["transfer", str(model), location, "--k8s-job"],
     }
 
 
+def assert_refused(argv: list[str], cwd: Path, likely: str) -> None:
+    result = run_cli(*argv, cwd=cwd)
+    assert result.exit_code == 2, (argv, result.stdout, result.stderr)
+    assert f"did you mean {likely!r}?" in result.stderr, (argv, result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 2 and "Traceback" not in result.stderr  # error + hint
+    assert list(cwd.iterdir()) == [], (argv, list(cwd.iterdir()))
+
+
+@pytest.mark.parametrize("command", list(command_lines(Path("m"), "x")))
+def test_every_command_refuses_typos_and_writes_nothing(model: Path, cwd: Path, command: str) -> None:
+    for typo in ("s3:/bkt/model", "out\nx", "s3://bkt/model\r"):
+        assert_refused(command_lines(model, typo)[command], cwd, TYPOS[typo])
+
+
 @pytest.mark.parametrize("typo", list(TYPOS), ids=[repr(typo) for typo in TYPOS])
-def test_every_command_refuses_a_typo_and_writes_nothing(model: Path, cwd: Path, typo: str) -> None:
-    for command, argv in command_lines(model, typo).items():
-        result = run_cli(*argv, cwd=cwd)
-        assert result.exit_code == 2, (command, result.stdout, result.stderr)
-        assert f"did you mean {TYPOS[typo]!r}?" in result.stderr, (command, result.stderr)
-        assert "Traceback" not in result.stderr
-        assert list(cwd.iterdir()) == [], (command, list(cwd.iterdir()))
+def test_every_typo_is_refused_as_a_dest_and_makes_no_folder(model: Path, cwd: Path, typo: str) -> None:
+    assert_refused(command_lines(model, typo)["transfer DEST"], cwd, TYPOS[typo])
 
 
 def test_the_json_error_document_names_the_meaning(model: Path, cwd: Path) -> None:
