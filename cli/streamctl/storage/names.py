@@ -33,7 +33,10 @@ class _TooLong:
 def _length(text: str, limits: NameLimits) -> int:
     if limits.unit == "characters":
         return len(text)
-    return len(os.fsencode(text)) if limits.max_component is not None else len(text.encode("utf-8", "surrogatepass"))
+    try:  # a local name's undecodable bytes come back as the bytes they are (as os.fsencode does)
+        return len(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:  # other lone surrogates (a JSON listing's escapes): at their UTF-8 width
+        return len(text.encode("utf-8", "surrogatepass"))
 
 
 def _written(location: Location, name: str, limits: NameLimits) -> list[tuple[str, bool]]:
