@@ -422,7 +422,7 @@ def plan_transfer(
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
-    dest_notes = listing_notes(dest)  # one scan of a local DEST for both uses below; other stores have none
+    dest_notes = listing_notes(dest)  # one scan for both uses below (a bucket DEST: its folder markers only)
     _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected], dest_notes)
     files = []
     for selection in selections:
