@@ -20,7 +20,9 @@ class CliResult:
         return json.loads(self.stdout)
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> CliResult:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: str | os.PathLike[str] | None = None
+) -> CliResult:
     merged = {**os.environ, **(env or {})}
     merged.pop("STREAMCTL_DEBUG", None) if env is None or "STREAMCTL_DEBUG" not in env else None
     completed = subprocess.run(
@@ -30,5 +32,6 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
         env=merged,
         timeout=timeout,
         stdin=subprocess.DEVNULL,
+        cwd=cwd,
     )
     return CliResult(completed.returncode, completed.stdout, completed.stderr)

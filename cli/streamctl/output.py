@@ -415,7 +415,7 @@ def render_transfer_plan(plan: TransferPlan, to_stderr: bool = False) -> None:
     skipped = sum(1 for note in plan.notes if not note.listed)
     if skipped:
         phrases[-1] += ","
-        phrases.append(f"{skipped:,} skipped (not regular files, or links not followed)")
+        phrases.append(f"{skipped:,} skipped (folder markers, not regular files, or links not followed)")
     if plan.cleanup.to_remove:
         phrases[-1] += ","
         phrases.append(f"{len(plan.cleanup.to_remove):,} in DEST to remove after copying")

@@ -53,7 +53,7 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.lease import Lease, hold_lease
+from streamctl.lease import Lease, hold_lease, lease_name
 from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.locations import check_disjoint
 from streamctl.ownership import (
@@ -77,7 +77,9 @@ from streamctl.storage.base import (
     ObjectInfo,
     StorageOptions,
     is_safe_relative_path,
+    unsafe_path_reason,
 )
+from streamctl.storage.names import check_names_fit
 from streamctl.uploads import (
     SHA256_KEY,
     ByteBudget,
@@ -378,6 +380,8 @@ def plan_transfer(
     in DEST (see streamctl.ownership). Writes nothing; a DEST that overlaps SOURCE is refused (exit 2)."""
     options.validate()
     check_disjoint(source, dest)
+    own_names = [MANIFEST_NAME, lease_name(options.worker)]
+    check_names_fit(dest, own_names)  # DEST's own prefix or path first: then it can be listed
     listing = {source.relative(info.key): info for info in source.list()}
     notes = listing_notes(source)
     if not listing:
@@ -385,8 +389,13 @@ def plan_transfer(
         raise NotFoundError(f"no files under {source.url}{left_out}")
     unsafe = sorted(path for path in listing if not is_safe_relative_path(path))
     if unsafe:
+        # Folder markers (empty `NAME/` objects) are not listed; one holding bytes is data no file can be named.
+        name, size = unsafe[0], listing[unsafe[0]].size
         raise UsageError(
-            f"refusing unsafe file name {unsafe[0]!r} in {source.url}", hint="names must be plain relative paths"
+            f"refusing unsafe file name {name!r} in {source.url} ({source.store.url(source.key(name))}, "
+            f"{size:,} bytes: it {unsafe_path_reason(name)})"
+            + (f", and {len(unsafe) - 1:,} more" if len(unsafe) > 1 else ""),
+            hint="names must be plain relative paths: rename or remove that object, or copy a prefix without it",
         )
     commit: str | None = getattr(source.store, "commit", None)
 
@@ -411,7 +420,7 @@ def plan_transfer(
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
-    dest_notes = listing_notes(dest)  # one scan of a local DEST for both uses below; other stores have none
+    dest_notes = listing_notes(dest)  # one scan for both uses below (a bucket DEST: its folder markers only)
     _refuse_linked_dest_folders(dest, [selection.path for selection in selections if selection.selected], dest_notes)
     files = []
     for selection in selections:
@@ -431,6 +440,7 @@ def plan_transfer(
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     _check_part_limits(dest, files, options)
+    check_names_fit(dest, [*(file.path for file in files if file.action == "copy"), *own_names])
     excluded = tuple(selection for selection in selections if not selection.selected)
     writes = {file.path for file in files} | {MANIFEST_NAME}
     candidates = [*existing, *unfollowed_links(dest_notes)]

@@ -3,7 +3,7 @@ or leaves alone, and which rank files a re-run of the same plan may keep (`plan_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -19,7 +19,8 @@ from streamctl.ownership import (
     written_by_streamctl,
 )
 from streamctl.shard.plan import ShardPlan
-from streamctl.storage.base import Location, ObjectInfo
+from streamctl.storage.base import LEASE_NAME, Location, ObjectInfo
+from streamctl.storage.names import check_names_fit
 from streamctl.uploads import SHA256_KEY, list_dest
 from streamctl.words import plural
 
@@ -85,20 +86,27 @@ def _looks_interrupted(
     return any(own_output(name) for name in existing)
 
 
-def _output_names(plan: ShardPlan) -> set[str]:
+def output_names(plan: ShardPlan) -> set[str]:
     return {file.name for file in plan.files()} | {path for path, _ in plan.serving_files}
+
+
+def check_shard_names(dest: Location, names: Iterable[str]) -> None:
+    """Refuse (exit 2) before the lease is taken when a name this run writes is too long for DEST:
+    `names` (rank files and serving files), the manifest and the lease (see storage/names.py)."""
+    check_names_fit(dest, [*sorted(names), SHARD_MANIFEST_NAME, LEASE_NAME])
 
 
 def plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
     """`plan` with what DEST holds decided: without --force, a DEST holding this very plan's completed output
     (unchanged source) keeps its right rank files and replaces the rest, as transfer does; any other
     non-empty DEST is refused. With --force, what streamctl wrote there is replaced (see check_dest)."""
+    check_shard_names(dest, output_names(plan))
     state = _read_dest(dest)
     rerun = None if force else _same_plan_before(dest, plan, state)
     if rerun is None:
-        cleanup = check_dest(dest, plan.pattern, _output_names(plan), force, state)
+        cleanup = check_dest(dest, plan.pattern, output_names(plan), force, state)
         return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused={})
-    cleanup = check_dest(dest, plan.pattern, _output_names(plan), True, state)
+    cleanup = check_dest(dest, plan.pattern, output_names(plan), True, state)
     return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)
 
 

@@ -31,7 +31,7 @@ from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
-from streamctl.shard.dest import plan_dest, refuse_unusable_dest_early
+from streamctl.shard.dest import check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import (
     ModelDims,
@@ -175,6 +175,7 @@ def shard_with_vllm_cpu(
             reply = _ask_plan(worker, source, read, folder, options, read_source)
             plan = plan_from_reply(reply, read, options, pattern, source_id or source.url, dest.url)
             _log_plan(reply, options, progress)
+            check_shard_names(dest, output_names(plan))
             with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
                 plan = plan_dest(dest, plan, options.force)  # planning ran before the lease
                 run = _Run(source, dest, options, progress, worker, read_source, started, lease, read.notes)

@@ -28,7 +28,7 @@ from streamctl.ownership import Cleanup, remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import with_retries
 from streamctl.shard.checks import check_written
-from streamctl.shard.dest import check_dest
+from streamctl.shard.dest import check_dest, check_shard_names
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import ModelDims, ShardOptions, ShardPlan
 from streamctl.shard.planning import list_source, plan_shard, read_json_object, serving_files_to_copy
@@ -89,6 +89,13 @@ def shard_with_vllm(
     log_notes(notes, progress)
     config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
     serving = serving_files_to_copy(source, listing, config)
+    # vLLM names its parts as it saves; each rank's first part stands for them (a longer part number is rare).
+    ranks = [
+        format_name(pattern, tp_rank=tp_rank, part=0, pp_rank=pp_rank)
+        for pp_rank in range(options.pipeline_parallel_size)
+        for tp_rank in range(options.tensor_parallel_size)
+    ]
+    check_shard_names(dest, [*ranks, *(path for path, _ in serving)])
     with hold_lease(dest, f"streamctl shard {source_id or source.url}", progress) as lease:
         return _shard_with_vllm_leased(
             source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, serving,

@@ -407,7 +407,7 @@ class AzureStore(_errors.CloudRequests):
             return None
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
-        """Blobs come back in name order; folder markers of hierarchical-namespace accounts are skipped."""
+        """Blobs come back in name order, folder markers (hdi_isfolder) too: Location.list skips them."""
         with self._guard(Op.LIST, prefix):
             container = self._container
             listing = deadlines.iterate(
@@ -419,10 +419,7 @@ class AzureStore(_errors.CloudRequests):
                 attempts=self.max_attempts,
             )
             for blob in listing:
-                metadata = lower_keys(blob.metadata)
-                if metadata.get("hdi_isfolder") == "true":
-                    continue
-                yield ObjectInfo(blob.name, int(blob.size or 0), strip_etag(blob.etag), metadata)
+                yield ObjectInfo(blob.name, int(blob.size or 0), strip_etag(blob.etag), lower_keys(blob.metadata))
 
     def stat(self, key: str) -> ObjectInfo:
         with self._guard(Op.READ, key):

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Protocol
 
+from streamctl.storage.schemes import SCHEMES
+
 MiB = 1024 * 1024
 # The lease object a writing run holds at the root of its DEST (streamctl.lease). A reserved name: folder-like
 # listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
@@ -61,6 +63,8 @@ def unsafe_path_reason(path: str, *, allow_backslash: bool = False) -> str | Non
         return "climbs out of the folder with '..'"
     if "." in parts:
         return "holds '.' path segments"
+    if path.endswith("/"):
+        return "ends with '/'"
     if "" in parts:
         return "holds an empty path segment"
     return None
@@ -324,15 +328,28 @@ class Store(Protocol):
         ...
 
 
+def folder_marker_reason(info: ObjectInfo) -> str | None:
+    """Why `info` is a folder marker, not data, or None. The one rule for every bucket's listing: an empty
+    object whose key ends with '/' (what the S3 and GCS consoles' "Create folder" and some tools write), or
+    an Azure blob with metadata hdi_isfolder=true (a folder of a hierarchical-namespace account). A marker
+    holds nothing to copy and no file can have its name, so listings leave it out and report it. An object
+    whose key ends with '/' and holds bytes is data: it stays listed (and `transfer` refuses its name)."""
+    if info.metadata.get("hdi_isfolder", "").lower() == "true":
+        return f"a folder of Azure's hierarchical namespace ({info.key!r}, metadata hdi_isfolder=true): skipped"
+    if info.key.endswith("/") and info.size == 0:
+        return f"an empty object {info.key!r}: a folder marker, as the consoles' Create folder writes: skipped"
+    return None
+
+
 @dataclass(frozen=True)
 class ListingNote:
     """Something a listing met that the user should hear about: what it left out because streamctl may not
     read it (a FIFO, socket, device, a symbolic link that dangles, loops or leads out of the folder listed,
-    a temporary file of a run writing there), or a symbolic link it listed files through. Only local
-    folders have them (see LocalStore.notes)."""
+    a temporary file of a run writing there, a bucket's folder marker), or a symbolic link it listed files
+    through (see LocalStore.notes and Location.notes)."""
 
     key: str
-    kind: str  # "fifo", "socket", "char-device", "block-device", "symlink", "symlink-outside", ...
+    kind: str  # "fifo", "socket", "char-device", "block-device", "symlink", "symlink-outside", "folder-marker", ...
     reason: str  # one line for the user
     listed: bool = False  # True: a link followed (its files are listed); False: left out
     target: str | None = None  # where a link leads
@@ -385,21 +402,34 @@ class Location:
     def url(self) -> str:
         return self.store.url(self.prefix)
 
-    def list(self) -> Iterator[ObjectInfo]:
-        """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded).
-
-        Leases (is_lease_name, at any depth) are not listed: they are the writing runs', not the model's."""
+    def _listing(self) -> Iterator[ObjectInfo]:
+        """The store's listing of this location, leases (is_lease_name, at any depth) left out: they are the
+        writing runs', not the model's."""
         return (
             info
             for info in self.store.list(f"{self.prefix}/" if self.prefix else "")
             if not is_lease_name(info.key.rpartition("/")[2])
         )
 
+    def list(self) -> Iterator[ObjectInfo]:
+        """Every object under this location, as if it were a folder (siblings like `prefix2/` excluded).
+
+        Neither leases nor folder markers (folder_marker_reason) are listed; `notes()` reports the markers."""
+        return (info for info in self._listing() if folder_marker_reason(info) is None)
+
     def notes(self) -> tuple[ListingNote, ...]:
-        """What `list()` left out of this location or listed through a link, for the user to hear about;
-        empty for stores that have no such things (every store but local folders)."""
-        notes = getattr(self.store, "notes", None)
-        return tuple(notes(f"{self.prefix}/" if self.prefix else "")) if notes is not None else ()
+        """What `list()` left out of this location or listed through a link, for the user to hear about:
+        a local folder's special files and links (LocalStore.notes), a bucket's folder markers."""
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        store_notes = getattr(self.store, "notes", None)
+        found = list(store_notes(prefix)) if store_notes is not None else []
+        scheme = SCHEMES.get(self.store.scheme)
+        if scheme is not None and scheme.object_store:  # only buckets hold objects that stand for folders
+            for info in self._listing():
+                reason = folder_marker_reason(info)
+                if reason is not None:
+                    found.append(ListingNote(info.key, "folder-marker", reason))
+        return tuple(sorted(found, key=lambda note: note.key))
 
 
 class SmallObjectError(Exception):

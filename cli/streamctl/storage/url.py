@@ -75,10 +75,53 @@ def _parse_hf(rest: str, url: str) -> ParsedURL:
     return ParsedURL("hf", repo, prefix, revision=revision or None, repo_type=repo_type or "model")
 
 
+# C0 controls, DEL and C1 controls: a pasted line break, a CR from a file saved on Windows, a tab. In a
+# location they are never meant, and would become part of a folder's name or an object's key.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+# Every scheme the table knows (and its aliases), and the https:// of Azure's URLs: written with one colon
+# and no `//` they are typos, which would otherwise name a local folder such as `./s3:` silently.
+_KNOWN_SCHEMES = frozenset(SCHEMES) | frozenset(ALIASES) | {"https"}
+_SCHEME_WITHOUT_SLASHES = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)(.*)$", re.DOTALL)
+_FILE_SHORT_FORM = re.compile(r"^file:/(?!/)", re.IGNORECASE)  # RFC 8089's file:/ABSOLUTE/PATH
+
+
+def _with_slashes(url: str) -> str | None:
+    """`url` with a known scheme's `//` put back (`s3:/bkt/x`, `S3:bkt/x` -> `s3://bkt/x`; `file:x` ->
+    `file:///x`), or None when it does not start with a known scheme and a colon."""
+    match = _SCHEME_WITHOUT_SLASHES.match(url)
+    if match is None or match.group(1).lower() not in _KNOWN_SCHEMES:
+        return None
+    scheme, rest = match.group(1).lower(), match.group(2).lstrip("/")
+    return f"file:///{rest}" if scheme == "file" else f"{scheme}://{rest}"
+
+
+def _refuse_typos(url: str) -> None:
+    """UsageError (exit 2) naming the likely meaning, for a location holding control characters or
+    starting with a known scheme and a colon but not `//`. RFC 8089's `file:/ABSOLUTE/PATH` is a location."""
+    control = _CONTROL.search(url)
+    if control is not None:
+        cleaned = _CONTROL.sub("", url).strip()
+        meant = _with_slashes(cleaned) or cleaned
+        raise UsageError(
+            f"location {url!r} holds the control character {control.group(0)!r} (at offset {control.start()})"
+            + (f": did you mean {meant!r}?" if meant else ""),
+            hint="locations never hold control characters (a pasted line break, a CR from a file saved on Windows)",
+        )
+    with_slashes = _with_slashes(url)
+    if with_slashes is not None and not _FILE_SHORT_FORM.match(url):
+        raise UsageError(
+            f"location {url!r} has a scheme but no '//': did you mean {with_slashes!r}?",
+            hint=f"write SCHEME://...; for a local folder of that name write ./{url}",
+        )
+
+
 def parse_url(url: str) -> ParsedURL:
     """Accept local paths, file://, s3://, gs://, az://, hf:// and https://ACCOUNT.blob.core.windows.net/..."""
     if not url or not url.strip():
         raise UsageError("empty location")
+    _refuse_typos(url)
+    if _FILE_SHORT_FORM.match(url):
+        return ParsedURL("file", unquote(url[len("file:") :]), "")
     azure = _AZURE_HTTPS.match(url)
     if azure:
         if "?" in url:

@@ -71,7 +71,7 @@ def list_location(location: Location) -> Listing:
     for info in location.list():
         name = location.relative(info.key)
         if not name:
-            continue  # a marker object for the prefix itself
+            continue  # an object named as the prefix itself (`PREFIX/`, markers are not listed): no file of it
         sizes[name] = info.size
         folder, separator, _ = name.partition("/")
         if separator:
