@@ -120,7 +120,8 @@ def command_lines(model: Path, location: str) -> dict[str, list[str]]:
         "shard SOURCE": ["shard", location, "out", "-tp", "2"],
         "serve": ["serve", location, "--dry-run", "--no-preflight"],
         "serve --k8s": ["serve", location, "--k8s"],
-        "transfer --k8s-job": ["transfer", str(model), location, "--k8s-job"],
+        # a Hub SOURCE: a Job refuses a local one before it reads DEST
+        "transfer --k8s-job": ["transfer", "hf://org/model", location, "--k8s-job"],
     }
 
 
