@@ -31,13 +31,26 @@ def shielded_calls() -> Iterator[Shielded]:
     started before the first call, so no interrupt can fall between queueing a call and the thread that
     will run it.
     """
-    with ThreadPoolExecutor(1, thread_name_prefix="streamctl-shielded") as worker:
+    with ThreadPoolExecutor(1, thread_name_prefix="streamctl-shielded", initializer=_mark_shielded) as worker:
         worker.submit(lambda: None).result()
 
         def run(function: Callable[[], T]) -> T:
             return worker.submit(function).result()
 
         yield run
+
+
+_thread_state = threading.local()
+
+
+def _mark_shielded() -> None:
+    _thread_state.shielded = True
+
+
+def requests_outlive_stop() -> bool:
+    """Whether this thread's requests still go out once a stop is requested: the main thread's (its clean-up)
+    and the shielded runner's (a call that must not be split from its bookkeeping); other threads' are cut."""
+    return threading.current_thread() is threading.main_thread() or getattr(_thread_state, "shielded", False)
 
 
 # One process-wide stop flag. The main thread sets it when a signal (SIGINT, SIGTERM) ends the run; every wait
@@ -166,7 +179,8 @@ def stopping_on_signals(
 ) -> Iterator[None]:
     """For the block: SIGINT and SIGTERM stop the run as described above (`on_overdue(signal)` must end the
     process). Outside the main thread, or for a signal this process was started ignoring (`nohup`, a
-    background job), nothing changes. The previous handlers are restored on the way out."""
+    background job), nothing changes. The previous handlers are restored on the way out, unless a signal
+    stopped the run: then the process is exiting, and further signals are ignored."""
     global _received, _raising
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -187,8 +201,15 @@ def stopping_on_signals(
                 signal.signal(signum, _raise_in_main_thread)
         yield
     finally:
-        for signum, handler in previous.items():
-            if handler is not signal.SIG_IGN and handler is not None:
-                signal.signal(signum, handler)
-        signal.set_wakeup_fd(old_wakeup)
-        os.close(write_fd)  # EOF for the watcher, unless it is already giving a stop its grace
+        if _received is not None:
+            # The process is exiting: a later signal must not kill it half-way (Python's finalization resets
+            # handlers of its own to the default, which would; an ignored signal stays ignored).
+            for signum, handler in previous.items():
+                if handler is not signal.SIG_IGN:
+                    signal.signal(signum, signal.SIG_IGN)
+        else:
+            for signum, handler in previous.items():
+                if handler is not signal.SIG_IGN and handler is not None:
+                    signal.signal(signum, handler)
+            signal.set_wakeup_fd(old_wakeup)
+            os.close(write_fd)  # EOF for the watcher
