@@ -106,7 +106,7 @@ class Terminated(KeyboardInterrupt):
 
 
 _received: signal.Signals | None = None  # the first stop signal, set by the main thread's handler
-_ON_STOP: list[Callable[[], None]] = []
+_ON_STOP: list[Callable[[], object]] = []
 
 
 def stop_signal() -> signal.Signals | None:
@@ -114,7 +114,7 @@ def stop_signal() -> signal.Signals | None:
     return _received
 
 
-def on_stop(callback: Callable[[], None]) -> None:
+def on_stop(callback: Callable[[], object]) -> None:
     """Call `callback` (from the signal watcher's thread, never from a handler) once a signal stops the run:
     for what must end at once in other threads (requests in flight). It must not block for long."""
     if callback not in _ON_STOP:
