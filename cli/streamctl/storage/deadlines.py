@@ -171,9 +171,9 @@ class _Watchdog:
             scope.connection = None
             scope.io_socket = None
 
-    def cut_all(self, only_unspared: bool = False) -> int:
+    def cut_all(self, spare_clean_up: bool = False) -> int:
         with self._lock:
-            scopes = [scope for scope in self._scopes if not (only_unspared and scope.spared)]
+            scopes = [scope for scope in self._scopes if not (spare_clean_up and scope.spared)]
             for scope in scopes:
                 scope.cut = scope.cancelled = True
                 self._shutdown(scope)
@@ -226,13 +226,14 @@ def leave(scope: Scope) -> None:
     _WATCHDOG.leave(scope)
 
 
-def cut_all() -> int:
-    """Cut every request in flight now (Ctrl-C, a failed run); returns how many scopes were cut."""
-    return _WATCHDOG.cut_all()
+def cut_all(spare_clean_up: bool = False) -> int:
+    """Cut every request in flight now (Ctrl-C, a failed run); returns how many scopes were cut. With
+    `spare_clean_up`, not those of the main thread and of shielded calls (interrupts.requests_outlive_stop)."""
+    return _WATCHDOG.cut_all(spare_clean_up)
 
 
 # A signal stops the run: worker threads' requests end now (the main thread's may be its clean-up).
-on_stop(lambda: _WATCHDOG.cut_all(only_unspared=True))
+on_stop(lambda: _WATCHDOG.cut_all(spare_clean_up=True))
 
 
 @contextmanager
