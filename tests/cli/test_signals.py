@@ -275,7 +275,7 @@ def test_a_signal_stops_shard_mid_write_and_the_rerun_needs_no_force(
     assert proxy.hits >= 1
     assert_stopped_cleanly(stopped, signum)
     assert names(dest) == {}, names(dest)
-    assert unfinished_uploads(dest) == []
+    assert not lease_held(dest) and unfinished_uploads(dest) == []
     rerun = run_cli("shard", source, root, "-tp", "2", "--json", env=storage_env)
     assert rerun.exit_code == 0, rerun.stdout + rerun.stderr
     assert json.loads(open_location(root).store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, 10**7))["complete"]
