@@ -124,6 +124,7 @@ def main() -> None:
     json_errors = _json_requested(sys.argv[1:])
     if json_errors:
         output.configure(json_output=True)
+    _said.clear()
     with interrupts.stopping_on_signals(_stopped_too_late, interrupts.grace_from_environ()):
         outcome: int | BaseException = EXIT_INTERRUPTED
         try:
@@ -137,11 +138,14 @@ def main() -> None:
             outcome = _stopped(signum)  # whatever the stop made fail on its way out (a cut request) is the stop
         with _LAST_WORD:
             exit_code = _report(outcome)
+            _said.append(exit_code)
     sys.exit(exit_code)
 
 
-# Held by whoever says the run's last word: main, or `_stopped_too_late` when a clean-up overruns its grace.
+# Held by whoever says the run's last word: main, or `_stopped_too_late` when a clean-up overruns its grace;
+# `_said` holds the exit code main reported (then the process is only exiting, and stays quiet).
 _LAST_WORD = threading.Lock()
+_said: list[int] = []
 
 
 def _run(json_errors: bool) -> int | BaseException:
@@ -190,15 +194,19 @@ def _stopped_too_late(signum: int) -> None:
     """The clean-up after a stop signal overran its grace (a thread stuck where no signal reaches): end the
     process now, as a kill would, with the error line main would have printed. From the watcher's thread."""
     stopped = _stopped(signum)
-    if _LAST_WORD.acquire(blocking=False):  # else main is saying it already
-        stopped.message += (
-            f" (its clean-up took over {interrupts.grace_from_environ():g} s and was cut short; "
-            "the next run resumes or discards what it left)"
-        )
-        output.print_error(stopped)
+    exit_code = stopped.exit_code
+    if _LAST_WORD.acquire(blocking=False):  # else main is saying it right now
+        if _said:  # main said it, then the exit got stuck (a thread that never ends)
+            exit_code = _said[-1]
+        else:
+            stopped.message += (
+                f" (its clean-up took over {interrupts.grace_from_environ():g} s and was cut short; "
+                "the next run resumes or discards what it left)"
+            )
+            output.print_error(stopped)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(stopped.exit_code)
+    os._exit(exit_code)
