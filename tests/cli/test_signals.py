@@ -344,6 +344,7 @@ def test_a_killed_shard_run_is_finished_without_force_but_another_sources_is_not
         ("serve", signal.SIGTERM, False),
         ("serve", signal.SIGINT, True),
     ],
+    ids=["verify-index-SIGTERM-json", "verify-index-SIGINT", "serve-SIGTERM", "serve-SIGINT-json"],
 )
 def test_a_signal_stops_a_command_stuck_on_a_silent_server(
     command: str, signum: int, json_output: bool, s3_root: str, storage_servers: Any, storage_env: dict[str, str]
