@@ -7,6 +7,7 @@ from functools import cache
 from typing import Any
 
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @cache
@@ -49,3 +50,16 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     function = _sync_file_range()
     if function is not None:
         function(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
+
+
+def set_parent_death_signal(signum: int) -> bool:
+    """Have the kernel send `signum` to this process when its parent (the thread that started it) dies, a
+    SIGKILL included: the one way a child cannot outlive a parent that had no chance to stop it. False where
+    prctl is missing (not Linux) or refuses."""
+    handle = libc()
+    prctl = getattr(handle, "prctl", None) if handle is not None else None
+    if prctl is None:
+        return False
+    import ctypes
+
+    return int(prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signum), 0, 0, 0)) == 0

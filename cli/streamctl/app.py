@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import inspect
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Annotated
 
@@ -14,7 +17,7 @@ try:  # Typer 0.2x vendors Click; its own errors are these classes, not the `cli
 except ImportError:  # pragma: no cover - an older Typer on the real Click
     import click.exceptions as click_errors  # type: ignore[no-redef]
 
-from streamctl import __version__, output
+from streamctl import __version__, interrupts, output
 from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.commands._environment import Command, Group, flag_from_environment
 from streamctl.commands._options import DebugOption, QuietOption
@@ -24,8 +27,9 @@ from streamctl.oserrors import user_error
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70
-# Ctrl-C, as a shell reports a command SIGINT stopped (128 + 2).
+# Ctrl-C, as a shell reports a command SIGINT stopped (128 + 2); SIGTERM's (128 + 15).
 EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 
 TOP_LEVEL_EXAMPLES = (
     (
@@ -116,40 +120,100 @@ def _click_error(error: click_errors.ClickException) -> StreamctlError:
 def main() -> None:
     """The one entry point. With --json among streamctl's own arguments every failure, Click's own included,
     is one JSON document on stdout; without, Click prints its usage errors itself. Either way each failure
-    maps to its exit code here: StreamctlError's own, 130 for Ctrl-C, an OSError or exhausted resource that
-    escaped its site by streamctl.oserrors, 70 for a bug."""
+    maps to its exit code here: StreamctlError's own, 130 for Ctrl-C (SIGINT), 143 for SIGTERM, an OSError or exhausted
+    resource that escaped its site by streamctl.oserrors, 70 for a bug.
+    SIGINT and SIGTERM stop the run through streamctl.interrupts: its clean-up runs, then one error line."""
     json_errors = _json_requested(sys.argv[1:])
     if json_errors:
         output.configure(json_output=True)
-    try:
-        # Standalone, Click prints its own errors and exits; Typer turns Ctrl-C inside a command into 130.
-        returned = app(prog_name="streamctl", standalone_mode=not json_errors)
-        exit_code = returned if isinstance(returned, int) else 0
-    except SystemExit as exit_:
-        if exit_.code != EXIT_INTERRUPTED:
-            raise
-        exit_code = EXIT_INTERRUPTED
-    except click_errors.ClickException as error:  # only with --json: not standalone
-        exit_code = _failed(_click_error(error))
-    except StreamctlError as error:
-        exit_code = _failed(error)
-    except (KeyboardInterrupt, typer.Abort):  # outside a command
-        exit_code = EXIT_INTERRUPTED
-    except Exception as error:  # noqa: BLE001 - a bug: say so in one line, traceback only on request
-        refused = user_error(error)  # what the machine refused (errno, memory, threads) is the user's, not a bug
-        if refused is not None:
-            refused.__traceback__ = error.__traceback__  # --debug shows where it escaped
-            exit_code = _failed(refused)
-        else:
-            output.print_internal_error(error, EXIT_INTERNAL_ERROR)
-            exit_code = EXIT_INTERNAL_ERROR
-    if exit_code == EXIT_INTERRUPTED:
-        interrupted = Interrupted("interrupted")
-        interrupted.exit_code = EXIT_INTERRUPTED
-        output.print_error(interrupted)
+    _said.clear()
+    with interrupts.stopping_on_signals(_stopped_too_late, interrupts.grace_from_environ()):
+        outcome: int | BaseException = EXIT_INTERRUPTED
+        try:
+            outcome = _run(json_errors)
+        except KeyboardInterrupt:  # a signal between _run's return and here
+            pass
+        finally:
+            interrupts.stop_raising()  # the run is over: a signal now is recorded, not raised into the reporting
+        signum = interrupts.stop_signal()
+        if signum is not None and outcome != 0:
+            outcome = _stopped(signum)  # whatever the stop made fail on its way out (a cut request) is the stop
+        with _LAST_WORD:
+            exit_code = _report(outcome)
+            _said.append(exit_code)
     sys.exit(exit_code)
 
 
-def _failed(error: StreamctlError) -> int:
-    output.print_error(error)
-    return error.exit_code
+# Held by whoever says the run's last word: main, or `_stopped_too_late` when a clean-up overruns its grace;
+# `_said` holds the exit code main reported (then the process is only exiting, and stays quiet).
+_LAST_WORD = threading.Lock()
+_said: list[int] = []
+
+
+def _run(json_errors: bool) -> int | BaseException:
+    """The command's exit code, or the failure to report."""
+    try:
+        # Standalone, Click prints its own errors and exits; Typer turns Ctrl-C inside a command into 130.
+        returned = app(prog_name="streamctl", standalone_mode=not json_errors)
+        return returned if isinstance(returned, int) else 0
+    except SystemExit as exit_:
+        if exit_.code != EXIT_INTERRUPTED:
+            raise
+        return EXIT_INTERRUPTED
+    except click_errors.ClickException as error:  # only with --json: not standalone
+        return _click_error(error)
+    except (KeyboardInterrupt, typer.Abort):  # outside a command
+        return EXIT_INTERRUPTED
+    except Exception as error:  # noqa: BLE001 - StreamctlError, or a bug: reported by _report
+        return error
+
+
+def _stopped(signum: int) -> Interrupted:
+    """The error a stop signal ends the run with: exit 130 for SIGINT, 143 for SIGTERM, as a shell reports them."""
+    if signum == signal.SIGTERM:
+        stopped = Interrupted("terminated (SIGTERM)", code="terminated")
+        stopped.exit_code = EXIT_TERMINATED
+    else:
+        stopped = Interrupted("interrupted")
+        stopped.exit_code = EXIT_INTERRUPTED
+    return stopped
+
+
+def _report(outcome: int | BaseException) -> int:
+    """Print the failure (one line, or one JSON document) and return the exit code."""
+    if outcome == EXIT_INTERRUPTED:
+        outcome = _stopped(signal.SIGINT)
+    if isinstance(outcome, int):
+        return outcome
+    if isinstance(outcome, StreamctlError):
+        output.print_error(outcome)
+        return outcome.exit_code
+    refused = user_error(outcome) if isinstance(outcome, Exception) else None
+    if refused is not None:  # what the machine refused (errno, memory, threads) is the user's, not a bug
+        refused.__traceback__ = outcome.__traceback__  # --debug shows where it escaped
+        output.print_error(refused)
+        return refused.exit_code
+    output.print_internal_error(outcome, EXIT_INTERNAL_ERROR)  # a bug: say so in one line, traceback on request
+    return EXIT_INTERNAL_ERROR
+
+
+def _stopped_too_late(signum: int) -> None:
+    """The clean-up after a stop signal overran its grace (a thread stuck where no signal reaches): end the
+    process now, as a kill would, with the error line main would have printed. From the watcher's thread."""
+    stopped = _stopped(signum)
+    exit_code = stopped.exit_code
+    if _LAST_WORD.acquire(blocking=False):  # else main is saying it right now
+        if _said:  # main said it, then the exit got stuck (a thread that never ends)
+            exit_code = _said[-1]
+        else:
+            stopped.message += (
+                f" (its clean-up took over {interrupts.grace_from_environ():g} s and was cut short; "
+                "the next run resumes or discards what it left)"
+            )
+            output.print_error(stopped)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(exit_code)

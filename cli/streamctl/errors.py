@@ -159,7 +159,8 @@ class MissingProgramError(StreamctlError):
 
 
 class Interrupted(StreamctlError):
-    """Ctrl-C (SIGINT): the run stopped where it was; nothing half-written is under a final name. Its exit
-    code (130, as a shell's) is set where app.py maps it, with the other codes no library error carries."""
+    """Ctrl-C (SIGINT) or SIGTERM (code "terminated"): the run stopped where it was; nothing half-written is
+    under a final name. Its exit code (130 or 143, as a shell's) is set where app.py maps it, with the other
+    codes no library error carries."""
 
     code = "interrupted"

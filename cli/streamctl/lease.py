@@ -44,6 +44,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, StreamctlError, UsageError
+from streamctl.interrupts import shielded_calls
 from streamctl.progress import Progress
 from streamctl.shares import Worker
 from streamctl.storage.base import LEASE_NAME, Location, MultipartUpload, ObjectInfo, Store
@@ -484,6 +485,11 @@ def _live_conflict(location: Location, worker: Worker | None) -> tuple[Holder, s
     return None
 
 
+def _appended(taken: list[Lease], lease: Lease) -> Lease:
+    taken.append(lease)
+    return lease
+
+
 def _started(lease: Lease) -> Lease:
     lease.start()
     return lease
@@ -498,13 +504,20 @@ def hold_lease(
     worker: Worker | None = None,
 ) -> Iterator[Lease]:
     """Hold the lease of `location` (with `worker`: that share's) for the block; released on every way out. A
-    failure inside the block caused by losing the lease (the writer was cancelled) is reported as the lost lease."""
-    lease = acquire(location, command, progress, settings, worker)
+    failure inside the block caused by losing the lease (the writer was cancelled) is reported as the lost lease.
+
+    The lease is taken by a shielded call: a signal arriving while it is being created cannot leave it in DEST
+    unknown to this run (then the next run, on another host, would wait out its TTL): it is released."""
+    taken: list[Lease] = []  # filled by the shielded call itself: seen here however the block is left
     try:
-        yield lease
+        with shielded_calls() as shielded:
+            shielded(lambda: _appended(taken, acquire(location, command, progress, settings, worker)))
+        yield taken[0]
     except Exception as error:
-        if lease.lost is not None and error is not lease.lost:
-            raise lease.lost from error
+        lost = taken[0].lost if taken else None
+        if lost is not None and error is not lost:
+            raise lost from error
         raise
     finally:
-        lease.release()
+        for lease in taken:
+            lease.release()

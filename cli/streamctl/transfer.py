@@ -53,6 +53,7 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
+from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.lease import Lease, hold_lease, lease_name
 from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.locations import check_disjoint
@@ -507,6 +508,7 @@ class _Engine:
     buffers: PartBuffers = field(default_factory=PartBuffers)
     bytes_reused: int = 0  # parts an earlier run left at DEST that matched the source: not sent again
     origin: Mapping[str, object] = field(default_factory=dict)  # the plan's source and commit (resume tokens)
+    shielded: Shielded | None = None  # runs the uploads' creation (see _copy_once)
 
     def part_size(self, file: FilePlan) -> int:
         return part_size_for(file.size, self.options.part_size, self.dest.store)
@@ -576,12 +578,19 @@ class _Engine:
         metadata = {SHA256_KEY: sha256, **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {})}
         key = self.dest.key(file.path)
         token = self.resume_token(file)
-        started = self._retry(
-            lambda: store.start_multipart(key, part_size, metadata, None, token), f"upload of {file.path}"
-        )
-        upload = cast(MultipartUpload, started)
-        with self.lock:
-            self.open_uploads[id(upload)] = upload
+
+        def start_and_record() -> MultipartUpload:
+            started = self._retry(
+                lambda: store.start_multipart(key, part_size, metadata, None, token), f"upload of {file.path}"
+            )
+            upload = cast(MultipartUpload, started)
+            with self.lock:
+                self.open_uploads[id(upload)] = upload
+            return upload
+
+        # Shielded: a stop signal cuts worker threads' requests, and must not cut an upload's creation off from
+        # its record (the upload would stay open, unknown to the clean-up that aborts the others).
+        upload = self.shielded(start_and_record) if self.shielded is not None else start_and_record()
         held_parts = {part.index: part for part in upload.held_parts()}
         chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
         futures: list[Future[None]] = []
@@ -781,15 +790,18 @@ def _execute_transfer(
     lease.on_lost(engine.cancelled.set)  # another run holds DEST now: stop writing at once
     copied: dict[str, CopiedFile] = {}
     try:
-        # Largest first: the long poles start early and small files fill the gaps.
-        ordered = sorted(to_copy, key=lambda file: -file.size)
-        futures = {files_pool.submit(engine.copy, file): file for file in ordered}
-        for future in futures:
-            result = future.result()
-            copied[result.path] = result
+        with shielded_calls() as engine.shielded:
+            # Largest first: the long poles start early and small files fill the gaps.
+            ordered = sorted(to_copy, key=lambda file: -file.size)
+            futures = {files_pool.submit(engine.copy, file): file for file in ordered}
+            for future in futures:
+                result = future.result()
+                copied[result.path] = result
     except BaseException as error:
         engine.cancelled.set()
-        deadlines.cut_all()  # requests in flight end now (Ctrl-C, or a failed file), not at their deadlines
+        # Requests in flight end now (Ctrl-C, a signal, or a failed file), not at their deadlines; on a stop,
+        # uploads being created finish, so that the aborts below see them.
+        deadlines.cut_all(spare_clean_up=isinstance(error, KeyboardInterrupt))
         files_pool.shutdown(wait=True, cancel_futures=True)
         if isinstance(error, (RemoteError, DestinationBusy)):
             engine.keep_for_resume()  # the link or the lease was lost, not the will to copy: resume later

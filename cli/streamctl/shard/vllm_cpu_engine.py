@@ -24,14 +24,14 @@ from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
 from streamctl.errors import EngineFailed, IntegrityError, UsageError
-from streamctl.interrupts import Shielded, shielded_calls
+from streamctl.interrupts import Shielded, shielded_calls, stop_signal
 from streamctl.lease import Lease, hold_lease
 from streamctl.locations import check_disjoint
 from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
-from streamctl.shard.dest import check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
+from streamctl.shard.dest import RunKind, check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import (
     ModelDims,
@@ -161,7 +161,8 @@ def shard_with_vllm_cpu(
     validate_pattern(pattern, tp, pp)
     check_disjoint(source, dest)
     read = _read_source(source, progress)
-    refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force)
+    kind = RunKind(source_id or source.url, "vllm-cpu", tp, pp, pattern)
+    refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force, kind)
     own = worker is None
     if worker is None:
         from streamctl.shard.vllm_env import resolve_vllm_python
@@ -182,11 +183,11 @@ def shard_with_vllm_cpu(
                 return run.shard(plan)
     except BaseException:
         if worker.busy:  # frames of the interrupted request are still in the pipe
-            worker.kill("a request was interrupted")
+            worker.kill("a request was interrupted", forward=stop_signal())
         raise
     finally:
         if own:
-            worker.close()
+            worker.close(forward=stop_signal())
 
 
 def _ask_plan(

@@ -43,6 +43,7 @@ import logging
 import os
 import queue
 import re
+import signal
 import socket
 import sys
 import threading
@@ -54,7 +55,15 @@ from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
 from streamctl.shard import vllm_shims
-from streamctl.shard.vllm_protocol import ERROR_KINDS, PROTOCOL_VERSION, ProtocolError, read_header, write_frame
+from streamctl.shard.vllm_protocol import (
+    ERROR_KINDS,
+    HEARTBEAT,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    read_header,
+    start_lifeline,
+    write_frame,
+)
 
 # safetensors dtype names <-> torch dtype names
 SAFETENSORS_DTYPES: dict[str, str] = {
@@ -218,8 +227,13 @@ class Channel:
         self._raise_failure()
         size = int(header.get("nbytes", 0))
         with self._changed:
-            self._changed.wait_for(
-                lambda: self._inflight == 0 or self._inflight + size <= INFLIGHT_BYTES or self._failure is not None
+            self._changed.wait_for(  # a frame without payload (a heartbeat, a log) never waits for room
+                lambda: (
+                    size == 0
+                    or self._inflight == 0
+                    or self._inflight + size <= INFLIGHT_BYTES
+                    or self._failure is not None
+                )
             )
             self._inflight += size
         self._queue.put((header, payload, on_sent))
@@ -1064,15 +1078,19 @@ def error_frame(error: BaseException) -> dict[str, Any]:
     return {"type": "error", "kind": kind, "message": message, "detail": detail}
 
 
-def serve(channel: Channel) -> int:
-    """Frames until EOF; one error frame per failed op, then the next op."""
+def serve(channel: Channel, working: threading.Event | None = None) -> int:
+    """Frames until EOF; one error frame per failed op, then the next op. `working` is set while an op runs
+    (the lifeline's heartbeats go out then)."""
     plan: Plan | None = None
+    working = working or threading.Event()
     handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
         "write": lambda request: op_write(channel, plan, request),
         "check": lambda request: op_check(channel, plan, request),
     }
     while True:
+        working.clear()  # idle: the parent is not waiting for anything
         header = read_header(channel.inp)
+        working.set()
         if header is None:
             channel.flush()
             return 0
@@ -1145,14 +1163,19 @@ def main() -> int:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    # A forwarded Ctrl-C ends the worker as SIGTERM does (nothing here needs cleaning up), without a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     channel = Channel(sys.stdin.buffer, out)
+    working = threading.Event()
+    working.set()  # starting up (vLLM's import takes seconds): the parent is waiting for the plan's answer
+    start_lifeline(lambda: channel.send(dict(HEARTBEAT)), working)
     try:
         vllm_shims.install()
         quiet_repeated_vllm_logs()
         init_vllm()
         gc.collect()
         gc.freeze()  # vLLM's import graph is ~1M objects: keep it out of every per-layer collection
-        return serve(channel)
+        return serve(channel, working)
     except BrokenPipeError:
         return 0
     except ProtocolError as error:  # the stream itself broke: one last word, if the parent still listens

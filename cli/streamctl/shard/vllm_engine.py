@@ -28,7 +28,7 @@ from streamctl.ownership import Cleanup, remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import with_retries
 from streamctl.shard.checks import check_written
-from streamctl.shard.dest import check_dest, check_shard_names
+from streamctl.shard.dest import RunKind, check_dest, check_shard_names
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import ModelDims, ShardOptions, ShardPlan
 from streamctl.shard.planning import list_source, plan_shard, read_json_object, serving_files_to_copy
@@ -119,7 +119,9 @@ def _shard_with_vllm_leased(
     notes: tuple[ListingNote, ...],
 ) -> ShardResult:
     # Under the lease (nobody writes meanwhile), and before the engine runs: a refusal costs nothing.
-    cleanup = check_dest(dest, pattern, {path for path, _ in serving}, options.force)
+    tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+    kind = RunKind(source_id or source.url, "vllm-gpu", tp, pp, pattern)
+    cleanup = check_dest(dest, pattern, {path for path, _ in serving}, options.force, kind=kind)
     with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
         arguments = {
             "model": source.url,

@@ -49,15 +49,37 @@ worker -> parent ("type"):
             "tensors", "problems": [...], "skipped": reason or null}], "peak_rss_mib"}
   error    {"type": "error", "kind": one of ERROR_KINDS, "message": one line (vLLM's own words where it
             refused), "detail": the traceback's last lines}
+  heartbeat {"type": "heartbeat"}: the worker is alive and at work; it carries nothing (see below).
+
+Neither side outlives or waits forever on the other:
+  - the parent gives every wait on the worker (the next frame, a payload chunk, room in the worker's stdin)
+    an INACTIVITY deadline, STREAMCTL_DEADLINE_ENGINE_S (DEFAULT_DEADLINE_S), and kills the worker past it
+    (EngineFailed, exit 6, naming what it was doing). So a long request is never cut, the worker sends a
+    "heartbeat" every STREAMCTL_ENGINE_HEARTBEAT_S (the parent sets it, a fraction of the deadline) from a
+    thread of its own while it starts up or serves a request (`start_lifeline`): only a worker that is
+    stopped (SIGSTOP), hung or dead goes silent. Heartbeats may also arrive between requests: ignore them.
+  - the worker asks the kernel for SIGKILL when its parent dies (PR_SET_PDEATHSIG: a SIGKILLed parent too),
+    and its lifeline thread checks the parent's pid (STREAMCTL_ENGINE_PARENT_PID) every heartbeat, for a
+    parent gone before that or a wrapper script between the two; then it kills its process group. A parent
+    stopped by SIGINT or SIGTERM forwards the signal to the worker's group, then kills it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 
 PROTOCOL_VERSION = 1
+
+DEADLINE_VARIABLE = "STREAMCTL_DEADLINE_ENGINE_S"
+DEFAULT_DEADLINE_S = 120.0  # silence the parent accepts: far beyond a GIL-holding step of the worker (a gc, a big JSON)
+HEARTBEAT_VARIABLE = "STREAMCTL_ENGINE_HEARTBEAT_S"
+PARENT_VARIABLE = "STREAMCTL_ENGINE_PARENT_PID"
+HEARTBEAT = {"type": "heartbeat"}
 
 # What an "error" frame's kind may be, and what it means for the parent.
 ERROR_KINDS: Mapping[str, str] = {
@@ -126,3 +148,78 @@ def read_frame(stream: IO[bytes]) -> tuple[dict[str, Any], bytes] | None:
     if header is None:
         return None
     return header, read_payload(stream, int(header.get("nbytes", 0)))
+
+
+# --- life and death (see the module's doc) ------------------------------------------------------------------
+
+
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        value = float(environ.get(name, "") or default)
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def engine_deadline(environ: Mapping[str, str] = os.environ) -> float:
+    """The parent's inactivity deadline for the worker, in seconds."""
+    return _seconds(environ, DEADLINE_VARIABLE, DEFAULT_DEADLINE_S)
+
+
+def heartbeat_interval(deadline_s: float) -> float:
+    """How often the worker says it is alive: several times per deadline, at most every 5 s."""
+    return min(5.0, deadline_s / 4)
+
+
+def _process_gone(pid: int) -> bool:
+    """Whether `pid` no longer runs: absent, or a zombie no one has reaped yet (a SIGKILLed parent)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[:1]
+        return state in ([b"Z"], [b"X"])
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def _die_with_group() -> None:
+    """Kill this worker and whatever it started (it leads its own process group when the parent made it so)."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_lifeline(
+    send_heartbeat: Callable[[], None], working: threading.Event, environ: Mapping[str, str] = os.environ
+) -> threading.Thread:
+    """The worker's side: die with the parent (PR_SET_PDEATHSIG, and its pid checked every interval), and
+    call `send_heartbeat` every interval while `working` is set. Call it first thing, from the main thread."""
+    from streamctl._libc import set_parent_death_signal
+
+    set_parent_death_signal(signal.SIGKILL)
+    parent = int(environ.get(PARENT_VARIABLE, "0") or 0) or os.getppid()
+    interval = _seconds(environ, HEARTBEAT_VARIABLE, heartbeat_interval(DEFAULT_DEADLINE_S))
+    if _process_gone(parent):  # it died before the kernel could be asked to tell us
+        _die_with_group()
+
+    def run() -> None:
+        while True:
+            threading.Event().wait(interval)
+            if _process_gone(parent):
+                _die_with_group()
+            if working.is_set():
+                try:
+                    send_heartbeat()
+                except Exception:  # noqa: BLE001 - the pipe's own failure reaches the main thread anyway
+                    pass
+
+    thread = threading.Thread(target=run, name="lifeline", daemon=True)
+    thread.start()
+    return thread

@@ -4,7 +4,8 @@ Python): start it, exchange the frames of shard/vllm_protocol.py, answer its "re
 One worker serves any number of shard runs one after another (vLLM's import costs ~6-10 s): `start_worker`
 once, pass it to each `shard_checkpoint(..., worker=...)`, `close()` at the end. A run interrupted in the
 middle of a request (an error of ours, Ctrl-C, a frame that breaks the protocol) leaves unread frames in the
-pipe, so the worker is killed then and cannot be used again.
+pipe, so the worker is killed then and cannot be used again; a stop signal (SIGINT, SIGTERM) is forwarded to
+it first. Every wait on the worker has an inactivity deadline (vllm_protocol's "Neither side outlives...").
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -23,9 +26,14 @@ from typing import IO, Any
 from streamctl.errors import EngineFailed, StreamctlError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.shard.vllm_protocol import (
+    DEADLINE_VARIABLE,
     ERROR_KINDS,
+    HEARTBEAT_VARIABLE,
+    PARENT_VARIABLE,
     PROTOCOL_VERSION,
     ProtocolError,
+    engine_deadline,
+    heartbeat_interval,
     payload_chunks,
     read_header,
     write_frame,
@@ -36,6 +44,13 @@ WORKER_MODULE = "streamctl.shard.vllm_cpu_worker"
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 STDERR_TAIL_LINES = 30  # the worker's last stderr lines, shown when it fails
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to exit after EOF on its stdin
+FORWARD_WAIT_S = 2.0  # how long a worker may take to exit on a forwarded SIGINT/SIGTERM before it is killed
+# What the worker does during each request, for the error that says it stopped answering.
+DOING = {
+    "plan": "planning the layout",
+    "write": "streaming the rank tensors",
+    "check": "loading the written ranks with vLLM's ShardedStateLoader",
+}
 # The worker's refusals of the input: bad usage (exit 2) with vLLM's own words; the rest are its failures.
 USAGE_KINDS = frozenset({"unsupported-architecture", "bad-parallel-size", "unsupported-quantization", "bad-checkpoint"})
 FINAL_TYPES = frozenset({"plan", "written", "checked", "error"})
@@ -44,13 +59,16 @@ FINAL_TYPES = frozenset({"plan", "written", "checked", "error"})
 ReadSource = Callable[[str, int, int], Iterable[bytes]]
 
 
-def worker_environment(base: Mapping[str, str]) -> dict[str, str]:
+def worker_environment(base: Mapping[str, str], deadline_s: float | None = None) -> dict[str, str]:
     """The worker's environment: this package first on its path, vLLM's CPU platform, the Hub offline (the
     parent reads every byte of a remote SOURCE; vLLM must not reach anything), and PyTorch's CPU allocator
     asking for transparent huge pages (unless the caller chose): every layer's weights and every checked
     rank are fresh memory, and faulting it in 2 MiB at a time instead of 4 KiB cut the 3.1 GB Mixtral
-    bench's run from 20.3 s to 17.3 s (median of 3; the loader check from 8.9 s to 6.1 s)."""
+    bench's run from 20.3 s to 17.3 s (median of 3; the loader check from 8.9 s to 6.1 s). It also tells the
+    worker this process's pid and how often to send heartbeats (vllm_protocol: a fraction of `deadline_s`)."""
     environment = dict(base)
+    environment[PARENT_VARIABLE] = str(os.getpid())
+    environment[HEARTBEAT_VARIABLE] = f"{heartbeat_interval(deadline_s or engine_deadline(base)):g}"
     environment.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     path = environment.get("PYTHONPATH")
     environment["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + path if path else "")
@@ -72,7 +90,46 @@ class VllmWorker:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     busy: bool = False  # a request was sent and its final frame not read yet
     broken: str | None = None  # why the worker cannot be used any more
+    deadline_s: float = field(default_factory=engine_deadline)  # silence allowed while this process waits on it
+    doing: str = "starting"  # the request in progress (DOING), for the error when it stops answering
+    silent: str | None = None  # what this process was waiting for when the deadline killed the worker
     _stderr_thread: threading.Thread | None = None
+    _waiting: tuple[str, float] | None = None  # (for what, since when) while this process waits on the worker
+    _silence: threading.Condition = field(default_factory=threading.Condition)
+    _watchdog: threading.Thread | None = None
+
+    def start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch, name="vllm-worker-deadline", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        """Kill the worker once this process has waited on it for `deadline_s` without a byte (a heartbeat
+        frame is a few bytes: a worker at work is never silent that long; one stopped, hung or dead is)."""
+        with self._silence:
+            while self.broken is None:
+                if self._waiting is None:
+                    self._silence.wait()
+                    continue
+                what, since = self._waiting
+                left = since + self.deadline_s - time.monotonic()
+                if left > 0:
+                    self._silence.wait(left)
+                    continue
+                self.silent = what
+                self._signal_group(signal.SIGKILL)  # the blocked read or write in the other thread ends now
+                return
+
+    @contextmanager
+    def _exchange(self, what: str) -> Iterator[None]:
+        """One blocking read from or write to the worker, under the inactivity deadline."""
+        with self._silence:
+            self._waiting = (what, time.monotonic())
+            self._silence.notify()
+        try:
+            yield
+        finally:
+            with self._silence:
+                self._waiting = None
 
     @property
     def stdin(self) -> IO[bytes]:
@@ -89,6 +146,8 @@ class VllmWorker:
         if self.broken is not None:
             raise EngineFailed(f"the vLLM worker cannot be used any more: {self.broken}")
         self.busy = True
+        op = str(header.get("op"))
+        self.doing = f"its {op} request ({DOING.get(op, op)})"
         self._send(header)
 
     def receive(self, read_source: ReadSource | None) -> dict[str, Any]:
@@ -96,12 +155,15 @@ class VllmWorker:
         payload is then read with `payload`) or the request's final frame. An "error" frame raises."""
         while True:
             try:
-                header = read_header(self.stdout)
+                with self._exchange("waiting for its next frame"):
+                    header = read_header(self.stdout)
             except ProtocolError as error:
                 raise self.failure(str(error)) from None
             if header is None:
                 raise self.failure("the vLLM worker exited in the middle of a request")
             kind = header.get("type")
+            if kind == "heartbeat":
+                continue  # alive and at work: the wait for the next frame starts afresh
             if kind == "read":
                 self._answer_read(header, read_source)
             elif kind == "log":
@@ -118,10 +180,16 @@ class VllmWorker:
 
     def payload(self, nbytes: int) -> Iterator[bytes]:
         """A tensor frame's payload in chunks (8 MiB at most)."""
-        try:
-            yield from payload_chunks(self.stdout, nbytes)
-        except ProtocolError as error:
-            raise self.failure(str(error)) from None
+        chunks = payload_chunks(self.stdout, nbytes)
+        while True:
+            try:
+                with self._exchange("receiving a tensor's bytes"):
+                    chunk = next(chunks)
+            except StopIteration:
+                return
+            except ProtocolError as error:
+                raise self.failure(str(error)) from None
+            yield chunk
 
     def _answer_read(self, header: Mapping[str, Any], read_source: ReadSource | None) -> None:
         file, offset, length = header.get("file"), header.get("offset"), header.get("length")
@@ -134,9 +202,11 @@ class VllmWorker:
         sent = 0
         try:
             for chunk in read_source(file, offset, length):
-                self.stdin.write(chunk)
+                with self._exchange("sending it the source bytes it asked for"):
+                    self.stdin.write(chunk)
                 sent += len(chunk)
-            self.stdin.flush()
+            with self._exchange("sending it the source bytes it asked for"):
+                self.stdin.flush()
         except (BrokenPipeError, ValueError, OSError):
             raise self.failure("the vLLM worker stopped reading the bytes it asked for") from None
         except BaseException:
@@ -148,10 +218,11 @@ class VllmWorker:
     def _send(self, header: Mapping[str, Any], payload: bytes | None = None, *, streamed: bool = False) -> None:
         """One frame; `streamed`: only its header line, the caller writes its `nbytes` bytes after it."""
         try:
-            if streamed:
-                self.stdin.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
-                return
-            write_frame(self.stdin, header, payload)
+            with self._exchange("sending it a frame"):
+                if streamed:
+                    self.stdin.write(json.dumps(header, separators=(",", ":")).encode() + b"\n")
+                    return
+                write_frame(self.stdin, header, payload)
         except (BrokenPipeError, ValueError, OSError):
             raise self.failure("the vLLM worker stopped reading its requests") from None
 
@@ -167,8 +238,19 @@ class VllmWorker:
         return EngineFailed(f"the vLLM worker failed ({kind}: {what}): {message}", hint=self._tail_hint())
 
     def failure(self, what: str) -> EngineFailed:
-        """The worker broke the protocol or died: it is killed, and the error names its exit and stderr."""
+        """The worker broke the protocol, died or went silent: it is killed, and the error names its exit and
+        stderr, or what it was doing when it went silent and the deadline."""
         self.kill(what)
+        if self.silent is not None:
+            return EngineFailed(
+                f"the vLLM worker stopped answering during {self.doing}: nothing for {self.deadline_s:g} s "
+                f"while streamctl was {self.silent}, so it was killed",
+                hint=(
+                    f"a worker at work sends a heartbeat every {heartbeat_interval(self.deadline_s):g} s: it was "
+                    f"stopped, hung or starved of CPU or memory; {DEADLINE_VARIABLE} sets the deadline in seconds "
+                    f"(default {engine_deadline({}):g})" + (f"; {tail}" if (tail := self._tail_hint()) else "")
+                ),
+            )
         code = self.process.poll()
         exited = "" if code is None else f" (exit {code})"
         return EngineFailed(f"{what}{exited}", hint=self._tail_hint())
@@ -179,14 +261,26 @@ class VllmWorker:
         lines = [line for line in self.tail if line.strip()][-5:]
         return "its last log lines: " + " | ".join(lines) if lines else None
 
-    def kill(self, why: str = "it was stopped") -> None:
-        """Kill the worker's whole process group (vLLM may have started helpers) and reap it."""
-        self.broken = self.broken or why
+    def _signal_group(self, signum: int) -> None:
         if self.process.poll() is None:
             try:
-                os.killpg(self.process.pid, signal.SIGKILL)
+                os.killpg(self.process.pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
+
+    def kill(self, why: str = "it was stopped", forward: int | None = None) -> None:
+        """Kill the worker's whole process group (vLLM may have started helpers) and reap it. `forward`: the
+        stop signal (SIGINT, SIGTERM) this process got, sent to the group first, SIGKILL if it lingers."""
+        with self._silence:
+            self.broken = self.broken or why
+            self._silence.notify()  # the deadline's watchdog ends
+        if forward is not None and forward != signal.SIGKILL:
+            self._signal_group(forward)
+            try:
+                self.process.wait(timeout=FORWARD_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal_group(signal.SIGKILL)
         try:
             self.process.wait(timeout=STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -198,8 +292,12 @@ class VllmWorker:
             except OSError:
                 pass
 
-    def close(self) -> None:
-        """End the worker: EOF on its stdin (it exits 0), killed if it does not exit in time."""
+    def close(self, forward: int | None = None) -> None:
+        """End the worker: EOF on its stdin (it exits 0), killed if it does not exit in time; `forward`: as for
+        `kill`, when this process is being stopped by that signal."""
+        if forward is not None:
+            self.kill("it was stopped", forward)
+            return
         if self.broken is None and self.process.poll() is None:
             try:
                 self.stdin.close()
@@ -228,14 +326,16 @@ def start_worker(
     python: str, progress: Progress = NULL_PROGRESS, *, forward_logs: bool = False, module: str = WORKER_MODULE
 ) -> VllmWorker:
     """Start `python -P -m module` (`module`: the worker; tests name a hostile stand-in) in its own session,
-    so that a terminal's Ctrl-C reaches streamctl alone, which then stops it."""
+    so that a terminal's Ctrl-C reaches streamctl alone, which then stops it (forwarding the signal). Start it
+    from a thread that outlives it (the main thread): the worker dies with the thread that started it."""
+    deadline_s = engine_deadline()
     try:
         process = subprocess.Popen(
             [python, "-P", "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=worker_environment(os.environ),
+            env=worker_environment(os.environ, deadline_s),
             start_new_session=True,
         )
     except OSError as error:
@@ -243,7 +343,8 @@ def start_worker(
             f"cannot run the vLLM environment's python {python}: {error.strerror or error}",
             hint="pass --vllm-python with the python of a CPU vLLM environment, or leave it out to make one",
         ) from None
-    worker = VllmWorker(process, python, progress, forward_logs)
+    worker = VllmWorker(process, python, progress, forward_logs, deadline_s=deadline_s)
+    worker.start_watchdog()
     _widen_pipe(worker.stdout)
     assert process.stderr is not None
     worker._stderr_thread = threading.Thread(

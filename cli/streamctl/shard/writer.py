@@ -179,7 +179,8 @@ class _Writer:
             for executor in writers:
                 executor.shutdown(wait=True, cancel_futures=True)
             cause = _first_error(futures)
-            if cause is not None and cause is not error and not isinstance(cause, Cancelled):
+            stopped = isinstance(error, KeyboardInterrupt)  # Ctrl-C or SIGTERM: what the threads hit is its echo
+            if cause is not None and cause is not error and not isinstance(cause, Cancelled) and not stopped:
                 raise cause from None  # what a writer thread hit, not the cancellation it caused here
             raise
         finally:

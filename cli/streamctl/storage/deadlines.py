@@ -21,6 +21,10 @@ retry the operation (retry.py) up to the store's attempts, each with a fresh dea
 `cut_all()` cuts every request in flight at once: Ctrl-C and failed runs call it, so worker threads blocked
 on a silent server end now rather than at their deadlines.
 
+A signal that stops the run (streamctl.interrupts) cuts the requests of worker threads at once, and refuses
+their new ones from then on: they end promptly, even mid-part on a slow link, while the main thread's
+clean-up requests (aborts, the lease's release) and shielded calls still go out (`requests_outlive_stop`).
+
 Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and STREAMCTL_DEADLINE_FLOOR_BPS
 here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a
 backend installs its hook.
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamctl.errors import DeadlineExceededError, RemoteError
+from streamctl.interrupts import on_stop, requests_outlive_stop, stop_requested
 from streamctl.retry import RetryPolicy
 
 T = TypeVar("T")
@@ -106,6 +111,7 @@ class Scope:
     connection: Any = None  # the urllib3 connection of that request (its .sock may appear later)
     io_socket: socket.socket | None = None  # the socket the httpx hooks last saw
     _shut: bool = False
+    spared: bool = False  # its thread's requests outlive a stop (interrupts.requests_outlive_stop)
 
     def socket(self) -> socket.socket | None:
         sock = getattr(self.connection, "sock", None) if self.connection is not None else None
@@ -124,9 +130,13 @@ class _Watchdog:
 
     def begin(self, scope: Scope, endpoint: str, connection: Any = None) -> None:
         """A request starts in `scope` (called by the transport hooks on the requesting thread)."""
+        spared = requests_outlive_stop()
+        if not scope.cut and not spared and stop_requested():
+            scope.cut = scope.cancelled = True  # a worker thread's request after a stop: only clean-up goes out
         if scope.cut:
             raise _Refused()
         with self._lock:
+            scope.spared = spared
             scope.endpoint = endpoint
             scope.connection = connection
             scope.io_socket = None
@@ -161,9 +171,9 @@ class _Watchdog:
             scope.connection = None
             scope.io_socket = None
 
-    def cut_all(self) -> int:
+    def cut_all(self, spare_clean_up: bool = False) -> int:
         with self._lock:
-            scopes = list(self._scopes)
+            scopes = [scope for scope in self._scopes if not (spare_clean_up and scope.spared)]
             for scope in scopes:
                 scope.cut = scope.cancelled = True
                 self._shutdown(scope)
@@ -216,9 +226,14 @@ def leave(scope: Scope) -> None:
     _WATCHDOG.leave(scope)
 
 
-def cut_all() -> int:
-    """Cut every request in flight now (Ctrl-C, a failed run); returns how many scopes were cut."""
-    return _WATCHDOG.cut_all()
+def cut_all(spare_clean_up: bool = False) -> int:
+    """Cut every request in flight now (Ctrl-C, a failed run); returns how many scopes were cut. With
+    `spare_clean_up`, not those of the main thread and of shielded calls (interrupts.requests_outlive_stop)."""
+    return _WATCHDOG.cut_all(spare_clean_up)
+
+
+# A signal stops the run: worker threads' requests end now (the main thread's may be its clean-up).
+on_stop(lambda: _WATCHDOG.cut_all(spare_clean_up=True))
 
 
 @contextmanager
