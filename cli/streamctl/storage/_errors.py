@@ -254,8 +254,9 @@ def check_no_gaps(url: str, indices: list[int]) -> None:
 
 
 def content_range_start(header: str | None) -> int | None:
-    """The first byte of a `Content-Range: bytes A-B/SIZE` answer (None: absent or malformed)."""
-    match = re.match(r"^bytes (\d+)-\d+/(?:\d+|\*)$", (header or "").strip())
+    """The first byte of a `Content-Range: bytes A-B/SIZE` answer (None: absent or malformed). The GCS
+    emulator answers an empty object's range with `bytes 0--1/0`: only A is judged."""
+    match = re.match(r"^bytes (\d+)-", (header or "").strip())
     return int(match.group(1)) if match else None
 
 
