@@ -13,6 +13,7 @@ from __future__ import annotations
 import email.utils
 import hashlib
 import os
+import random
 import re
 import threading
 import time
@@ -28,7 +29,8 @@ from servers import azurite_connection_string
 from slowproxy import SlowProxy
 from streamctl import interrupts
 from streamctl.checkpoint.safetensors import safetensors_bytes
-from streamctl.errors import DeadlineExceededError, RangeIgnoredError, StreamctlError
+from streamctl.errors import DeadlineExceededError, RangeIgnoredError, RemoteError, StreamctlError
+from streamctl.retry import RetryPolicy, with_retries
 from streamctl.storage import Location, StorageOptions, deadlines, open_location, waits
 from streamctl.storage.hf import HfStore
 
@@ -466,3 +468,31 @@ def test_a_bucket_ignoring_range_never_costs_the_object_per_part(
         assert location.store.read_range_into(location.key("x.bin"), 0, memoryview(buffer)) == MiB
         assert bytes(buffer) == data[:MiB]
         assert proxy.sent - sent < 8 * MiB, proxy.sent - sent
+
+
+# -- streamctl's own back-offs ------------------------------------------------------------------------------------
+
+
+def test_a_stop_request_ends_streamctls_own_backoff_at_once(no_stop: None) -> None:
+    """retry.py's wait between whole-operation tries (here up to 100 s) ends as soon as the flag is set,
+    with the operation's last error; no try follows."""
+    tries: list[float] = []
+
+    def failing() -> None:
+        tries.append(time.monotonic())
+        raise RemoteError("the server is down")
+
+    policy = RetryPolicy(attempts=5, base_delay_s=100.0, max_delay_s=100.0)
+    threading.Timer(0.3, interrupts.request_stop).start()
+
+    def run() -> BaseException | None:
+        try:
+            with_retries(failing, policy)
+        except RemoteError as error:
+            return error
+        return None
+
+    random.seed(1)  # a first delay of tens of seconds, so the code before fails here for certain
+    error, elapsed = within(5.0, run)
+    assert isinstance(error, RemoteError) and error.message == "the server is down"
+    assert len(tries) == 1 and elapsed < 1.5, (len(tries), elapsed)
