@@ -131,6 +131,25 @@ def test_the_wait_an_answer_asks_for(status: int, headers: dict[str, str], expec
     assert waits.asked_wait(status, headers, now=NOW) == expected
 
 
+def test_the_announcement_names_host_wait_and_why(capped: float, announced: list[str], no_stop: None) -> None:
+    asked = waits.ServerWait("cdn.example:443", HUGE, 429)
+    assert waits.announcement(asked, 60, 60, None) == (
+        f"rate-limited by cdn.example:443: waiting 60 s (HTTP 429; it asked for {HUGE} s, capped by "
+        "STREAMCTL_MAX_SERVER_WAIT)"
+    )
+    assert "past the request's deadline" in waits.announcement(asked, 12, 60, 12)
+    assert waits.announcement(waits.ServerWait("h:80", 30, 503), 30, 60, None) == (
+        "rate-limited by h:80: waiting 30 s (HTTP 503)"
+    )
+    # What a server asks is a floor: `Retry-After: 0` still waits the back-off.
+    deadlines.note_answer("h:80", 503, {"Retry-After": "0"})
+    started = time.monotonic()
+    assert deadlines.pause(0.3) is False
+    assert time.monotonic() - started >= 0.29
+    assert announced == ["rate-limited by h:80: waiting 0.3 s (HTTP 503)"]
+    assert deadlines.asked() is None, "a wait is served once"
+
+
 @pytest.mark.parametrize(("value", "expected"), [("", 60.0), ("2", 2.0), ("0.5", 0.5), ("0", 60.0), ("x", 60.0)])
 def test_the_cap_is_a_setting(value: str, expected: float) -> None:
     assert deadlines.policy({"STREAMCTL_MAX_SERVER_WAIT": value}).max_server_wait_s == expected

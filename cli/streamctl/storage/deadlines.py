@@ -368,13 +368,15 @@ def pause(backoff_s: float, cancelled: threading.Event | None = None) -> bool:
         return _wait(max(0.0, backoff_s), cancelled)
     cap = policy().max_server_wait_s
     left = max(0.0, scope.budget_s - scope.waited_s) if scope is not None else None
-    seconds = min(wait.seconds, cap, left if left is not None else wait.seconds)
+    # What the server asks is a floor (a `Retry-After: 0` storm still backs off), the cap and deadline a ceiling.
+    wanted = max(wait.seconds, backoff_s)
+    seconds = min(wanted, cap, left if left is not None else wanted)
     waits.announce(waits.announcement(wait, seconds, cap, left))
     started = time.monotonic()
     stopped = _wait(seconds, cancelled)
     if scope is not None:
         scope.waited_s += time.monotonic() - started
-        if not stopped and left is not None and min(wait.seconds, cap) > left:
+        if not stopped and left is not None and min(wanted, cap) > left:
             scope.cut = True  # the deadline is spent: refuse the try that would follow
             scope.endpoint = wait.endpoint
             raise _Refused()

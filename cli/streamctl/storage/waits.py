@@ -97,7 +97,8 @@ def asked_wait(status: int, headers: Any, now: float | None = None) -> float | N
 
 def announcement(wait: ServerWait, waiting_s: float, cap_s: float, deadline_left_s: float | None) -> str:
     """The one line the user reads: "rate-limited by HOST: waiting 30 s", and why it is not what was asked."""
-    line = f"rate-limited by {wait.endpoint}: waiting {waiting_s:.0f} s (HTTP {wait.status}"
+    shown = f"{waiting_s:.0f}" if waiting_s >= 1 else f"{waiting_s:.1f}"
+    line = f"rate-limited by {wait.endpoint}: waiting {shown} s (HTTP {wait.status}"
     if waiting_s < wait.seconds:
         if deadline_left_s is not None and waiting_s >= deadline_left_s and deadline_left_s < cap_s:
             line += f"; it asked for {wait.seconds:.0f} s, past the request's deadline"
