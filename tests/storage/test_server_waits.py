@@ -439,26 +439,48 @@ def test_a_cdn_ignoring_range_is_refused_before_the_body(fake_hub: FakeHub) -> N
     assert fake_hub.sent["cdn"] < 1.5 * MiB, fake_hub.sent
 
 
-@pytest.mark.parametrize("part_size", ["1MiB", "8MiB"])
-def test_transfer_from_a_cdn_ignoring_range_never_reads_the_file_per_part(
+@pytest.mark.parametrize("part_size", ["1MiB", "16MiB"])
+def test_transfer_from_a_cdn_ignoring_range_reads_the_file_once(
     fake_hub: FakeHub, tmp_path: Path, part_size: str
 ) -> None:
-    """4 MiB in 1 MiB parts: before, each part read the file from its start (10 MiB for 4 MiB). Now: a clear
-    error after at most the file's bytes; with parts as large as the file, one read and an identical copy."""
-    fake_hub.add_repo("org/big", {"model.safetensors": BIG, "config.json": b'{"architectures": ["X"]}'})
+    """8 MiB in 1 MiB parts: before, each part read the file from its start (36 MiB sent for 8 MiB). Now the
+    first part beyond the start is refused before its body and the file is read once, through one stream:
+    at most the file plus the first part (and buffers); with parts as large as the file, one read. The copy
+    is identical."""
+    big = safetensors_bytes([("model.embed_tokens.weight", "U8", [8 * MiB], os.urandom(8 * MiB))])
+    fake_hub.add_repo("org/big", {"model.safetensors": big, "config.json": b'{"architectures": ["X"]}'})
     fake_hub.honor_range = False
     out = tmp_path / "out"
-    result = run_cli("transfer", "hf://org/big", str(out), "--part-size", part_size, "-j", "2", timeout=60)
-    assert fake_hub.sent["cdn"] <= len(BIG), f"{fake_hub.sent['cdn']:,} bytes sent for a {len(BIG):,}-byte file"
-    if part_size == "1MiB":
-        assert result.exit_code == 6, result.stderr
-        assert "ignored the byte range" in result.stderr and "--part-size" in result.stderr
-        assert "Traceback" not in result.stderr
-        assert not (out / "model.safetensors").exists()
-    else:
-        assert result.exit_code == 0, result.stderr
-        copied = (out / "model.safetensors").read_bytes()
-        assert hashlib.sha256(copied).hexdigest() == hashlib.sha256(BIG).hexdigest()
+    result = run_cli("transfer", "hf://org/big", str(out), "--part-size", part_size, "-j", "4", timeout=60)
+    assert result.exit_code == 0, result.stderr
+    copied = (out / "model.safetensors").read_bytes()
+    assert hashlib.sha256(copied).hexdigest() == hashlib.sha256(big).hexdigest()
+    # Plus, with 1 MiB parts: the first part, and what the kernel buffered for the refused parts in flight
+    # and the check's header reads before each hung up (~256 KiB each).
+    bound = len(big) + (3 * MiB if part_size == "1MiB" else 512 * 1024)
+    assert fake_hub.sent["cdn"] <= bound, f"{fake_hub.sent['cdn']:,} bytes sent for a {len(big):,}-byte file"
+
+
+def test_transfer_from_a_bucket_ignoring_range_stops_with_a_clear_error(
+    s3_root: str, storage_servers: Any, storage_env: dict[str, str], tmp_path: Path
+) -> None:
+    """12 MiB in S3's 5 MiB parts from a server that ignores Range: before, every part read the whole
+    object (36 MiB). S3 sources have no one-stream path: the clear error (exit 6, the endpoint, the
+    --part-size way out) after the first part, never the object once per part; nothing under a final name."""
+    data = safetensors_bytes([("model.embed_tokens.weight", "U8", [12 * MiB], os.urandom(12 * MiB))])
+    direct = open_location(s3_root)
+    direct.store.put(direct.key("model.safetensors"), data)
+    direct.store.put(direct.key("config.json"), b'{"architectures": ["X"]}')
+    reads = lambda method, path: method == "GET" and "model.safetensors" in path  # noqa: E731
+    out = tmp_path / "out"
+    with SlowProxy(_port(storage_servers, "s3"), reads, "no_range") as proxy:
+        env = {**storage_env, "AWS_ENDPOINT_URL": proxy.url}
+        result = run_cli("transfer", s3_root, str(out), "--part-size", "5MiB", "-j", "2", env=env, timeout=60)
+    assert result.exit_code == 6, result.stderr
+    assert f"{proxy.endpoint} ignored the byte range" in result.stderr and "--part-size" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (out / "model.safetensors").exists()
+    assert proxy.sent <= len(data), f"{proxy.sent:,} bytes sent for a {len(data):,}-byte object"
 
 
 @pytest.mark.parametrize("backend", ["s3", "gs"])
