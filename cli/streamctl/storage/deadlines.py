@@ -23,13 +23,13 @@ on a silent server end now rather than at their deadlines.
 
 Waits between tries (`pause`): the transport hooks note what each answer asks (Retry-After, RateLimit: see
 waits.py) on the thread that received it, and every retry wait (streamctl's own, and each SDK's, whose sleeps
-`route_sleeps` sends here) serves that wait instead of its own back-off: capped at STREAMCTL_MAX_SERVER_WAIT
+`route_sleeps` sends here) serves that wait, never less than its own back-off: capped at STREAMCTL_MAX_SERVER_WAIT
 (60 s), charged to the scope's deadline (a wait the deadline cannot hold cuts the request, as a silent
 server's would be), announced on the command's progress, and ended at once by interrupts.request_stop().
 
-Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S, STREAMCTL_DEADLINE_FLOOR_BPS
-and STREAMCTL_MAX_SERVER_WAIT here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a
-backend installs its hook.
+Tuning (for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and STREAMCTL_DEADLINE_FLOOR_BPS (undocumented)
+and STREAMCTL_MAX_SERVER_WAIT (in the README) here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for
+the tries. Nothing here imports an SDK until a backend installs its hook.
 """
 
 from __future__ import annotations
@@ -355,9 +355,9 @@ def _wait(seconds: float, cancelled: threading.Event | None) -> bool:
 
 
 def pause(backoff_s: float, cancelled: threading.Event | None = None) -> bool:
-    """Wait before another try: the wait the last answer on this thread asked for when it asked one (capped
-    at the policy's max_server_wait_s, announced, and inside a scope charged to its deadline), else
-    `backoff_s`. True when a stop request (or `cancelled`) ended the wait: the caller gives up.
+    """Wait before another try: `backoff_s`, or longer when the last answer on this thread asked for a wait
+    (that wait capped at the policy's max_server_wait_s, announced, and inside a scope charged to its
+    deadline). True when a stop request (or `cancelled`) ended the wait: the caller gives up.
 
     A server wait the scope's deadline cannot hold waits out what is left, then cuts the scope (RequestCut
     through `entered`, as for a request past its deadline): the next try gets a fresh deadline, or the
