@@ -421,6 +421,49 @@ def test_a_stop_request_ends_an_sdks_wait_at_once(
     assert proxy.hits == 1, "no try after the stop"
 
 
+@pytest.mark.parametrize("backend", ["s3", "az"])
+def test_an_sdks_wait_counts_against_the_requests_deadline(
+    backend: str,
+    request: pytest.FixtureRequest,
+    storage_servers: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    announced: list[str],
+    no_stop: None,
+) -> None:
+    """Cap 30 s, deadline 1 s: a front end that always asks for days ends each try at its deadline (exit 6's
+    DeadlineExceededError naming it), not after the SDK's 30 s waits."""
+    monkeypatch.setenv("STREAMCTL_MAX_SERVER_WAIT", "30")
+    monkeypatch.setenv("STREAMCTL_DEADLINE_BASE_S", "1")
+    monkeypatch.setenv("STREAMCTL_DEADLINE_FLOOR_BPS", str(1024 * MiB))
+    root = request.getfixturevalue(f"{backend}_root")
+    direct = open_location(root)
+    direct.store.put(direct.key("x.bin"), b"x" * 1000)
+    status, headers, body = THROTTLE_ANSWERS[backend]
+    proxy = SlowProxy(
+        _port(storage_servers, backend),
+        READS[backend],
+        "throttle",
+        status=status,
+        answer_headers=tuple(headers.items()),
+        answer_body=body,
+    )
+    with proxy:
+        location = _through(backend, root, proxy, monkeypatch)
+
+        def read() -> BaseException | None:
+            try:
+                location.store.read_range(location.key("x.bin"), 0, 1000)
+            except StreamctlError as error:
+                return error
+            return None
+
+        error, elapsed = within(DONE_WITHIN_S, read)
+    assert isinstance(error, DeadlineExceededError), error
+    assert proxy.endpoint in error.message
+    assert elapsed < 10, elapsed  # 3 tries of ~1 s and the back-offs between them; 30 s waits would be 90 s
+    assert announced and all("past the request's deadline" in line for line in announced), announced
+
+
 # -- servers that ignore Range ------------------------------------------------------------------------------------
 
 
