@@ -48,7 +48,7 @@ DEFAULT_LFS_SUFFIXES: tuple[str, ...] = (
 DEFAULT_LFS_THRESHOLD = 10 * MiB
 DEFAULT_PAGE_SIZE = 1000  # the real hub's page size for tree listings
 
-FaultKind = Literal["503", "reset", "truncate"]
+FaultKind = Literal["503", "reset", "truncate", "throttle"]
 Role = Literal["hub", "cdn"]
 
 
@@ -112,6 +112,8 @@ class Fault:
     remaining: int
     role: Role | None = None
     methods: frozenset[str] | None = None
+    status: int = 429  # "throttle": the status and headers answered
+    headers: tuple[tuple[str, str], ...] = ()
 
     def matches(self, role: Role, method: str, path: str) -> bool:
         return (
@@ -349,6 +351,7 @@ class FakeHub:
         self._faults: list[Fault] = []
         self._corrupt: set[str] = set()  # sha256 of files served with one byte flipped
         self._requests: list[RecordedRequest] = []
+        self.sent: dict[Role, int] = {"hub": 0, "cdn": 0}  # body bytes each origin handed its sockets
         self.tokens: set[str] = set()  # every token the hub accepts
         self.page_size = DEFAULT_PAGE_SIZE
         self.redirect_lfs = True  # LFS downloads: 302 to the CDN origin (as the real hub does)
@@ -412,6 +415,7 @@ class FakeHub:
             self._faults.clear()
             self._corrupt.clear()
             self._requests.clear()
+            self.sent = {"hub": 0, "cdn": 0}
             self.tokens.clear()
             self.page_size = DEFAULT_PAGE_SIZE
             self.redirect_lfs = True
@@ -464,12 +468,25 @@ class FakeHub:
         *,
         role: Role | None = None,
         methods: Iterable[str] | None = None,
+        status: int = 429,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         """The next `times` requests whose decoded path contains `pattern` fail: `503` (a JSON 503), `reset`
         (connection reset before any response) or `truncate` (full Content-Length, half the body, then reset).
-        CDN paths end with the repo file name, so a file name matches on both origins."""
+        CDN paths end with the repo file name, so a file name matches on both origins. `throttle`: answer
+        `status` with `headers` (a rate limit's Retry-After or RateLimit) and a small JSON error body."""
         with self._lock:
-            self._faults.append(Fault(pattern, kind, times, role, frozenset(methods) if methods else None))
+            self._faults.append(
+                Fault(
+                    pattern,
+                    kind,
+                    times,
+                    role,
+                    frozenset(methods) if methods else None,
+                    status,
+                    tuple((headers or {}).items()),
+                )
+            )
 
     def corrupt(self, repo_id: str, path: str, *, repo_type: str = "model", revision: str = "main") -> None:
         """Serve `path` (at `revision`, and every other file with the same bytes) with one byte flipped."""
@@ -516,6 +533,9 @@ class FakeHub:
             return
         if fault is not None and fault.kind == "503":
             response = _error(503, None, "Service Unavailable")
+        elif fault is not None and fault.kind == "throttle":
+            response = _error(fault.status, None, "Too many requests")
+            response.headers.extend(fault.headers)
         else:
             try:
                 response = self._route_hub(handler, method, body) if role == "hub" else self._route_cdn(handler)
@@ -524,8 +544,7 @@ class FakeHub:
             response.truncate = fault is not None and fault.kind == "truncate"
         self._send(handler, method, response)
 
-    @staticmethod
-    def _send(handler: _Handler, method: str, response: Response) -> None:
+    def _send(self, handler: _Handler, method: str, response: Response) -> None:
         headers = {key.lower(): (key, value) for key, value in response.headers}
         handler.send_response(response.status)
         for key, value in headers.values():
@@ -537,12 +556,17 @@ class FakeHub:
         handler.end_headers()
         if method == "HEAD" or not response.body:
             return
+        if not self.honor_range:  # `sent` then counts what a client that hangs up leaves unread closely
+            handler.connection.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        body = memoryview(response.body)[: len(response.body) // 2 if response.truncate else None]
         try:
+            for offset in range(0, len(body), 64 * 1024):
+                piece = body[offset : offset + 64 * 1024]
+                handler.wfile.write(piece)
+                with self._lock:
+                    self.sent[handler.server.role] += len(piece)
             if response.truncate:
-                handler.wfile.write(response.body[: len(response.body) // 2])
                 handler.hard_close()
-            else:
-                handler.wfile.write(response.body)
         except OSError:
             handler.close_connection = True  # the client went away mid-body
 

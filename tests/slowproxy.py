@@ -7,8 +7,13 @@ request can be judged by its method and path. A matching request gets one of the
   "dribble"     the upstream headers at once, then the body one byte every `interval_s`;
   "steady"      the upstream answer at `rate_bps` bytes per second, in small even steps (slow but healthy);
   "cut"         the upstream headers and the first `cut_bytes` of the body at once, then the connection shut
-                down and reset, as a load balancer dropping it mid-body.
-Other requests are passed through unchanged.
+                down and reset, as a load balancer dropping it mid-body;
+  "throttle"    `status` with `answer_headers` (a Retry-After, a RateLimit) and `answer_body`, never sent
+                upstream, as a rate-limiting front end;
+  "no_range"    sent upstream without its Range header (a CDN or S3-compatible server that ignores Range
+                answers 200 with the whole object); `sent` counts the body bytes handed to the client.
+Only the first `max_hits` matching requests (all when None) are treated so; other requests are passed
+through unchanged.
 """
 
 from __future__ import annotations
@@ -54,6 +59,11 @@ class SlowProxy:
     interval_s: float = 0.5
     rate_bps: int = 256 * 1024
     cut_bytes: int = 64 * 1024
+    status: int = 503
+    answer_headers: tuple[tuple[str, str], ...] = ()
+    answer_body: bytes = b""
+    max_hits: int | None = None
+    sent: int = 0  # "no_range": body bytes sent to clients
     port: int = 0
     hits: int = 0  # requests answered slowly (or not at all)
     requests: int = 0
@@ -63,7 +73,7 @@ class SlowProxy:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> SlowProxy:
-        assert self.mode in ("silent", "slow_head", "dribble", "steady", "cut"), self.mode
+        assert self.mode in ("silent", "slow_head", "dribble", "steady", "cut", "throttle", "no_range"), self.mode
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -114,8 +124,14 @@ class SlowProxy:
             method, target = head.split(b" ", 2)[:2]
             slow = self.match(method.decode(), target.decode())
             with self._lock:
+                slow = slow and (self.max_hits is None or self.hits < self.max_hits)
                 self.requests += 1
                 self.hits += int(slow)
+            if slow and self.mode == "throttle":
+                self._throttle(client)
+                return
+            if slow and self.mode == "no_range":
+                head = re.sub(rb"\r\n(x-ms-)?range:[^\r]*", b"", head, flags=re.IGNORECASE)
             if slow and self.mode == "silent":
                 while not self._stopped.is_set() and client.recv(65536):
                     pass  # read the request (and its body) forever; answer nothing
@@ -143,6 +159,8 @@ class SlowProxy:
                 client.shutdown(socket.SHUT_RDWR)
             elif self.mode == "slow_head":
                 self._trickle(client, answer_head + body, 1, self.interval_s)
+            elif self.mode == "no_range":
+                self._count_out(client, answer_head, body)
             else:  # steady
                 step = max(1, self.rate_bps // 50)
                 self._trickle(client, answer_head + body, step, step / self.rate_bps)
@@ -155,6 +173,24 @@ class SlowProxy:
                         sock.close()
                     except OSError:
                         pass
+
+    def _throttle(self, client: socket.socket) -> None:
+        lines = [f"HTTP/1.1 {self.status} Throttled", *(f"{k}: {v}" for k, v in self.answer_headers)]
+        lines += [f"Content-Length: {len(self.answer_body)}", "Connection: close"]
+        client.sendall("\r\n".join(lines).encode() + b"\r\n\r\n" + self.answer_body)
+        client.shutdown(socket.SHUT_WR)
+        while client.recv(65536):
+            pass  # the client's request body, if any, until it closes
+
+    def _count_out(self, client: socket.socket, head: bytes, body: bytes) -> None:
+        """The answer in 64 KiB steps through a small send buffer, counting the body bytes the client took."""
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        client.sendall(head)
+        for offset in range(0, len(body), 64 * 1024):
+            piece = body[offset : offset + 64 * 1024]
+            client.sendall(piece)
+            with self._lock:
+                self.sent += len(piece)
 
     def _trickle(self, client: socket.socket, data: bytes, step: int, interval_s: float) -> None:
         started = time.monotonic()

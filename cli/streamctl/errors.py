@@ -83,6 +83,13 @@ class OutOfResources(RemoteError):
     code = "out-of-resources"
 
 
+class RangeIgnoredError(RemoteError):
+    """A server answered a ranged GET with the whole object (200, not 206): reading on would fetch the whole
+    file once per part, so the read stops before the body (not retried: the server will do it again)."""
+
+    code = "range-ignored"
+
+
 class EngineFailed(RemoteError):
     """The engine streamctl runs beside itself (`shard --engine vllm-cpu`'s vLLM worker process) died or
     broke its pipe protocol: a service that failed mid-request, so exit 6 as for any other (not retried:

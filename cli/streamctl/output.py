@@ -187,6 +187,12 @@ def log(message: str) -> None:
         stderr().print(message, markup=False, highlight=False)
 
 
+def log_always(message: str) -> None:
+    """A note that matters in CI and pod logs too: shown unless --quiet or --json, terminal or not."""
+    if not (settings.quiet or settings.json):
+        stderr().print(message, markup=False, highlight=False, soft_wrap=True)
+
+
 class RichProgress:
     """The library's Progress protocol drawn as Rich bars on stderr; safe to call from worker threads."""
 
@@ -211,9 +217,14 @@ class RichProgress:
 
 @contextmanager
 def progress(byte_counts: bool = False) -> Iterator[Progress]:
-    """Bars on stderr when chatty, else the silent implementation."""
+    """Bars on stderr when chatty, else the silent implementation. A wait a server imposes (storage/waits.py)
+    is announced through the progress either way: unless --quiet or --json, even when stderr is not a
+    terminal (a pod's log must say why a run is waiting)."""
+    from streamctl.storage import waits
+
     if not chatty():
-        yield NULL_PROGRESS
+        with waits.announcing(log_always):
+            yield NULL_PROGRESS
         return
     from rich.progress import (
         BarColumn,
@@ -242,7 +253,9 @@ def progress(byte_counts: bool = False) -> Iterator[Progress]:
         transient=True,
     )
     with bars:
-        yield RichProgress(bars)
+        shown = RichProgress(bars)
+        with waits.announcing(shown.log):
+            yield shown
 
 
 def human_bytes(count: float) -> str:

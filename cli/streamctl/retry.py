@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from streamctl.errors import DeadlineExceededError, OutOfResources, RemoteError
+from streamctl.errors import DeadlineExceededError, OutOfResources, RangeIgnoredError, RemoteError
 
 T = TypeVar("T")
 
@@ -40,15 +39,18 @@ def with_retries(
             return operation()
         except RemoteError as error:
             # A request past its deadline was already retried by the storage layer, each try a full deadline;
-            # a full disk or an exhausted limit does not recover in seconds: the user frees space, runs again.
-            final = isinstance(error, (DeadlineExceededError, OutOfResources)) or attempt + 1 >= policy.attempts
+            # a full disk or an exhausted limit does not recover in seconds: the user frees space, runs again;
+            # a server that ignores Range would only send the whole file again.
+            unrecoverable = (DeadlineExceededError, OutOfResources, RangeIgnoredError)
+            final = isinstance(error, unrecoverable) or attempt + 1 >= policy.attempts
             if final or (cancelled is not None and cancelled.is_set()):
                 raise
             if on_retry is not None:
                 on_retry(attempt + 1, error)
-            if cancelled is not None:
-                if cancelled.wait(policy.delay(attempt)):
-                    raise
-            else:
-                time.sleep(policy.delay(attempt))
+            # The back-off, or the wait the failed answer asked for (capped and announced); a stop request
+            # or `cancelled` ends it at once, and the run with this error.
+            from streamctl.storage.deadlines import pause  # storage imports this module
+
+            if pause(policy.delay(attempt), cancelled):
+                raise
     raise AssertionError("unreachable")

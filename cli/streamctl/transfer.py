@@ -49,6 +49,7 @@ from streamctl.errors import (
     DestinationBusy,
     IntegrityError,
     NotFoundError,
+    RangeIgnoredError,
     RemoteError,
     StreamctlError,
     UsageError,
@@ -493,6 +494,52 @@ class _HashChain:
 
 
 @dataclass
+class _OneStream:
+    """A file read through one GET from its first byte, handed to its parts strictly in order: for a source
+    that ignores Range (a CDN answering 200 with the whole file), where each part's own read would fetch
+    the file again. Parts are submitted in order to a FIFO pool, so the part a waiting one needs is ahead."""
+
+    chunks: Iterator[bytes]
+    position: int = 0
+    failed: bool = False
+    pending: memoryview = field(default_factory=lambda: memoryview(b""))
+    condition: threading.Condition = field(default_factory=threading.Condition)
+
+    def read_into(self, start: int, view: memoryview, cancelled: threading.Event) -> int:
+        with self.condition:
+            while self.position != start:
+                if self.failed or cancelled.is_set():
+                    raise Cancelled()
+                self.condition.wait(0.2)
+            filled = 0
+            try:
+                while filled < len(view):
+                    if not self.pending:
+                        chunk = next(self.chunks, b"")
+                        if not chunk:
+                            break  # the file ended early: the caller reports it
+                        self.pending = memoryview(chunk)
+                    taken = min(len(self.pending), len(view) - filled)
+                    view[filled : filled + taken] = self.pending[:taken]
+                    self.pending, filled = self.pending[taken:], filled + taken
+            except BaseException:
+                self.failed = True
+                raise
+            finally:
+                self.position += filled
+                self.condition.notify_all()
+            return filled
+
+    def close(self) -> None:
+        with self.condition:
+            self.failed = True
+            self.condition.notify_all()
+        close = getattr(self.chunks, "close", None)
+        if close is not None:
+            close()
+
+
+@dataclass
 class _Engine:
     source: Location
     dest: Location
@@ -592,29 +639,22 @@ class _Engine:
         # its record (the upload would stay open, unknown to the clean-up that aborts the others).
         upload = self.shielded(start_and_record) if self.shielded is not None else start_and_record()
         held_parts = {part.index: part for part in upload.held_parts()}
-        chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
-        futures: list[Future[None]] = []
         kept = False
         try:
-            for index, start in enumerate(range(0, file.size, part_size)):
-                length = min(part_size, file.size - start)
-                if self.cancelled.is_set():
-                    raise Cancelled()
-                held = self.budget.acquire(length, self.cancelled)
-                at_dest = held_parts.get(index)
-                future = self.parts.submit(self._part, file, upload, chain, index, start, length, held, task, at_dest)
-                futures.append(future)
-            for future in futures:
-                future.result()
+            try:
+                chain = self._send_parts(file, upload, part_size, held_parts, task, None)
+            except RangeIgnoredError as ignored:
+                stream = self._one_stream(file, ignored)
+                try:  # every part again, from the one stream (parts sent already are simply replaced)
+                    chain = self._send_parts(file, upload, part_size, held_parts, task, stream)
+                finally:
+                    stream.close()
             problem = _mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
             self._retry(lambda: upload.complete(metadata), f"completion of {file.path}")
             return sha256
         except BaseException as error:
-            chain.fail()
-            for future in futures:
-                future.exception()  # wait: every part gives its budget back before we abort
             # A lost link or a stopped run leaves sound parts: the run decides whether they stay to resume.
             kept = isinstance(error, (Cancelled, RemoteError))
             if not kept:
@@ -624,6 +664,50 @@ class _Engine:
             if not kept:
                 with self.lock:
                     self.open_uploads.pop(id(upload), None)
+
+    def _send_parts(
+        self,
+        file: FilePlan,
+        upload: MultipartUpload,
+        part_size: int,
+        held_parts: Mapping[int, HeldPart],
+        task: int,
+        stream: _OneStream | None,
+    ) -> _HashChain:
+        """Every part of `file` read (each on its own, or from `stream`), hashed in order and sent; on any
+        failure, returns only once every part has given its budget back."""
+        chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
+        futures: list[Future[None]] = []
+        try:
+            for index, start in enumerate(range(0, file.size, part_size)):
+                length = min(part_size, file.size - start)
+                if self.cancelled.is_set():
+                    raise Cancelled()
+                held = self.budget.acquire(length, self.cancelled)
+                at_dest = held_parts.get(index)
+                future = self.parts.submit(
+                    self._part, file, upload, chain, index, start, length, held, task, at_dest, stream
+                )
+                futures.append(future)
+            for future in futures:
+                future.result()
+            return chain
+        except BaseException:
+            chain.fail()
+            if stream is not None:
+                stream.close()
+            for future in futures:
+                future.exception()  # wait: every part gives its budget back before we abort
+            raise
+
+    def _one_stream(self, file: FilePlan, ignored: RangeIgnoredError) -> _OneStream:
+        """`file` read once, through one GET, when its source ignores Range and can stream (the Hub's
+        iter_range); else the source's error stands."""
+        iter_range = getattr(self.source.store, "iter_range", None)
+        if iter_range is None:
+            raise ignored
+        self.progress.log(f"{file.path}: the source ignores byte ranges; reading the file in one stream")
+        return _OneStream(iter_range(self.source.key(file.path), 0, file.size, chunk_size=MiB))
 
     def _part(
         self,
@@ -636,6 +720,7 @@ class _Engine:
         held: int,
         task: int,
         at_dest: HeldPart | None = None,
+        stream: _OneStream | None = None,
     ) -> None:
         try:
             if self.cancelled.is_set() or chain.failed:
@@ -644,7 +729,10 @@ class _Engine:
             buffer = self.buffers.take(upload.part_size)  # the last part too: one size, reused
             try:
                 view = memoryview(buffer)[:length]
-                self._read_into(file.path, start, view)
+                if stream is None:
+                    self._read_into(file.path, start, view)
+                elif stream.read_into(start, view, self.cancelled) != length:
+                    raise IntegrityError(f"{file.path}: source ended early (changed during the copy?)")
                 data = view.toreadonly()  # what the SDKs see (some take read-only buffers only)
                 chain.feed(index, data, self.cancelled)
                 if at_dest is not None and at_dest.matches(data):

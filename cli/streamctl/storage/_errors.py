@@ -21,6 +21,7 @@ from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
     NotFoundError,
+    RangeIgnoredError,
     RemoteError,
     StreamctlError,
     UsageError,
@@ -250,3 +251,36 @@ def check_no_gaps(url: str, indices: list[int]) -> None:
     if indices != list(range(len(indices))):
         missing = sorted(set(range(indices[-1] + 1)) - set(indices))
         raise UsageError(f"upload of {url} is missing parts {missing[:10]}")
+
+
+def content_range_start(header: str | None) -> int | None:
+    """The first byte of a `Content-Range: bytes A-B/SIZE` answer (None: absent or malformed). The GCS
+    emulator answers an empty object's range with `bytes 0--1/0`: only A is judged."""
+    match = re.match(r"^bytes (\d+)-", (header or "").strip())
+    return int(match.group(1)) if match else None
+
+
+# A whole-object answer to a range that starts this near the beginning is read from byte 0 and the bytes
+# before the range dropped: a safetensors header read (from byte 8) stays cheap on a server that ignores Range.
+WHOLE_OBJECT_SKIP_LIMIT = 64 * 1024
+
+
+def check_range_answer(url: str, endpoint: str, start: int, content_range: str | None) -> int:
+    """A ranged GET's answer, before any of its body is read; returns how many leading body bytes to drop.
+
+    The range asked for (a Content-Range starting at `start`): 0. The whole object (no Content-Range, a 200
+    from a server that ignores Range) for a range within its first WHOLE_OBJECT_SKIP_LIMIT bytes: `start`
+    (the caller reads only up to the end of its range and closes the rest). A whole object for a range
+    further in would cost the whole file once per part (32 MiB read as 1 GiB): RangeIgnoredError, not
+    retried. Another range: RemoteError (retried: a proxy's mix-up)."""
+    if content_range is None:
+        if start > WHOLE_OBJECT_SKIP_LIMIT:
+            raise RangeIgnoredError(
+                f"{url}: {endpoint} ignored the byte range asked for (HTTP 200 with the whole file, not 206)",
+                hint="streamctl reads large files in parts; use an endpoint (or proxy) that honours Range "
+                "requests, or a --part-size of at least the file's size to read each file in one request",
+            )
+        return start
+    if content_range_start(content_range) != start:
+        raise RemoteError(f"{url}: {endpoint} answered a different byte range ({content_range!r}, asked from {start})")
+    return 0

@@ -135,6 +135,10 @@ def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> Streamc
 
 def _transport() -> RequestsTransport:
     deadlines.install_urllib3()  # the SDK's timeouts are per socket read (per chunk): the overall deadline is ours
+    import azure.core.pipeline.transport._base as transport_base
+
+    # Every retry policy sleeps through the transport (azure-core's RetryPolicy waits out any Retry-After).
+    deadlines.route_sleeps(transport_base)
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     try:  # azure-core's adapter reads in bigger blocks (faster downloads); private, so optional
         from azure.core.pipeline.transport._bigger_block_size_http_adapters import BiggerBlockSizeHTTPAdapter

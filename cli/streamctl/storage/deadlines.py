@@ -25,9 +25,15 @@ A signal that stops the run (streamctl.interrupts) cuts the requests of worker t
 their new ones from then on: they end promptly, even mid-part on a slow link, while the main thread's
 clean-up requests (aborts, the lease's release) and shielded calls still go out (`requests_outlive_stop`).
 
-Tuning (undocumented, for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and STREAMCTL_DEADLINE_FLOOR_BPS
-here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for the tries. Nothing here imports an SDK until a
-backend installs its hook.
+Waits between tries (`pause`): the transport hooks note what each answer asks (Retry-After, RateLimit: see
+waits.py) on the thread that received it, and every retry wait (streamctl's own, and each SDK's, whose sleeps
+`route_sleeps` sends here) serves that wait, never less than its own back-off: capped at STREAMCTL_MAX_SERVER_WAIT
+(60 s), charged to the scope's deadline (a wait the deadline cannot hold cuts the request, as a silent
+server's would be), announced on the command's progress, and ended at once by interrupts.request_stop().
+
+Tuning (for tests and unusual links): STREAMCTL_DEADLINE_BASE_S and STREAMCTL_DEADLINE_FLOOR_BPS (undocumented)
+and STREAMCTL_MAX_SERVER_WAIT (in the README) here, STREAMCTL_MAX_ATTEMPTS (StorageOptions.max_attempts) for
+the tries. Nothing here imports an SDK until a backend installs its hook.
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from streamctl.errors import DeadlineExceededError, RemoteError
+from streamctl import interrupts
+from streamctl.errors import DeadlineExceededError, Interrupted, RemoteError
 from streamctl.interrupts import on_stop, requests_outlive_stop, stop_requested
 from streamctl.retry import RetryPolicy
+from streamctl.storage import waits
 
 T = TypeVar("T")
 KiB = 1024
@@ -57,6 +65,9 @@ KiB = 1024
 # healthy 50 Mbit/s link (~190 KiB/s per request) is never cut, while a server that stalls is cut in minutes.
 DEFAULT_BASE_S = 60.0
 DEFAULT_FLOOR_BPS = 128 * KiB
+# The longest a server may make one try wait (Retry-After: 999999 must not stall a run for 11 days); a wait
+# a server asks for is usually seconds, a minute at most for a rate limit's window.
+DEFAULT_MAX_SERVER_WAIT_S = 60.0
 _RETRY_DELAYS = RetryPolicy(attempts=1, base_delay_s=0.5, max_delay_s=5.0)
 _SOCKET_RETRY_S = 0.05  # how soon the watchdog looks again for a socket still being connected
 
@@ -65,6 +76,7 @@ _SOCKET_RETRY_S = 0.05  # how soon the watchdog looks again for a socket still b
 class DeadlinePolicy:
     base_s: float = DEFAULT_BASE_S
     floor_bytes_per_s: float = DEFAULT_FLOOR_BPS
+    max_server_wait_s: float = DEFAULT_MAX_SERVER_WAIT_S
 
     def budget(self, expected_bytes: int = 0) -> float:
         """Seconds one request may take, from its start to the last byte of its answer."""
@@ -80,7 +92,9 @@ def policy(environ: dict[str, str] | os._Environ[str] = os.environ) -> DeadlineP
         return value if value > 0 else default
 
     return DeadlinePolicy(
-        number("STREAMCTL_DEADLINE_BASE_S", DEFAULT_BASE_S), number("STREAMCTL_DEADLINE_FLOOR_BPS", DEFAULT_FLOOR_BPS)
+        number("STREAMCTL_DEADLINE_BASE_S", DEFAULT_BASE_S),
+        number("STREAMCTL_DEADLINE_FLOOR_BPS", DEFAULT_FLOOR_BPS),
+        number("STREAMCTL_MAX_SERVER_WAIT", DEFAULT_MAX_SERVER_WAIT_S),
     )
 
 
@@ -110,6 +124,7 @@ class Scope:
     expires_at: float | None = None  # deadline of the request in flight; None between requests
     connection: Any = None  # the urllib3 connection of that request (its .sock may appear later)
     io_socket: socket.socket | None = None  # the socket the httpx hooks last saw
+    waited_s: float = 0.0  # server-imposed waits so far: they count against the budget of what follows
     _shut: bool = False
     spared: bool = False  # its thread's requests outlive a stop (interrupts.requests_outlive_stop)
 
@@ -140,7 +155,7 @@ class _Watchdog:
             scope.endpoint = endpoint
             scope.connection = connection
             scope.io_socket = None
-            scope.expires_at = time.monotonic() + scope.budget_s
+            scope.expires_at = time.monotonic() + max(0.0, scope.budget_s - scope.waited_s)
             scope._shut = False
             self._scopes.add(scope)
             heapq.heappush(self._heap, (scope.expires_at, next(self._order), scope))
@@ -290,7 +305,8 @@ def call(operation: Callable[[], T], *, url: str, attempts: int, expected_bytes:
         except RequestCut as cut:
             if cut.cancelled or cuts >= attempts:
                 raise final_error(cut, url, attempts) from cut
-        time.sleep(_RETRY_DELAYS.delay(cuts - 1))
+            if pause(_RETRY_DELAYS.delay(cuts - 1)):
+                raise final_error(RequestCut(cut.endpoint, cut.budget_s, True), url, attempts) from cut
     raise AssertionError("unreachable")
 
 
@@ -320,10 +336,93 @@ def iterate(
             cuts += 1
             if cut.cancelled or cuts >= attempts:
                 raise final_error(cut, url, attempts) from cut
-            time.sleep(_RETRY_DELAYS.delay(cuts - 1))
+            if pause(_RETRY_DELAYS.delay(cuts - 1)):
+                raise final_error(RequestCut(cut.endpoint, cut.budget_s, True), url, attempts) from cut
 
 
 _END = object()
+
+
+# -- waits between tries -----------------------------------------------------------------------------------
+
+
+def note_answer(endpoint: str, status: int, headers: Any) -> None:
+    """An answer arrived on this thread (transport hooks): remember the wait it asks for, if any, for the
+    next `pause` here; an answer that asks none forgets an earlier one."""
+    seconds = waits.asked_wait(status, headers)
+    _local.asked = None if seconds is None else waits.ServerWait(endpoint, seconds, status)
+
+
+def asked() -> waits.ServerWait | None:
+    """The wait the last answer on this thread asked for (None: none)."""
+    return getattr(_local, "asked", None)
+
+
+def _wait(seconds: float, cancelled: threading.Event | None) -> bool:
+    """Sleep up to `seconds`; True when a stop (or `cancelled`) ended it first."""
+    if cancelled is None:
+        return interrupts.wait_or_stop(seconds)
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        if cancelled.is_set() or interrupts.wait_or_stop(min(left, 0.05)):
+            return True
+    return cancelled.is_set() or interrupts.stop_requested()
+
+
+def pause(backoff_s: float, cancelled: threading.Event | None = None) -> bool:
+    """Wait before another try: `backoff_s`, or longer when the last answer on this thread asked for a wait
+    (that wait capped at the policy's max_server_wait_s, announced, and inside a scope charged to its
+    deadline). True when a stop request (or `cancelled`) ended the wait: the caller gives up.
+
+    A server wait the scope's deadline cannot hold waits out what is left, then cuts the scope (RequestCut
+    through `entered`, as for a request past its deadline): the next try gets a fresh deadline, or the
+    caller's last error names the endpoint."""
+    wait, scope = asked(), current()
+    _local.asked = None  # served once: a later pause without a new answer is a plain back-off
+    if wait is None:
+        return _wait(max(0.0, backoff_s), cancelled)
+    cap = policy().max_server_wait_s
+    left = max(0.0, scope.budget_s - scope.waited_s) if scope is not None else None
+    # What the server asks is a floor (a `Retry-After: 0` storm still backs off), the cap and deadline a ceiling.
+    wanted = max(wait.seconds, backoff_s)
+    seconds = min(wanted, cap, left if left is not None else wanted)
+    waits.announce(waits.announcement(wait, seconds, cap, left))
+    started = time.monotonic()
+    stopped = _wait(seconds, cancelled)
+    if scope is not None:
+        scope.waited_s += time.monotonic() - started
+        if not stopped and left is not None and min(wanted, cap) > left:
+            scope.cut = True  # the deadline is spent: refuse the try that would follow
+            scope.endpoint = wait.endpoint
+            raise _Refused()
+    return stopped
+
+
+def _sdk_sleep(seconds: float) -> None:
+    """An SDK's sleep between its own tries (see `route_sleeps`): `pause`, and a stop ends the SDK call."""
+    if pause(seconds):
+        scope = current()
+        if scope is not None:
+            scope.cut = scope.cancelled = True
+            raise _Refused()  # through the SDK's retry loop; `entered` makes it a cancelled RequestCut
+        raise Interrupted("stopped while waiting to retry")
+
+
+class _SdkClock:
+    """The `time` module as an SDK module sees it after `route_sleeps`: everything but sleep is time's."""
+
+    sleep = staticmethod(_sdk_sleep)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def route_sleeps(module: Any) -> None:
+    """Make an SDK module's `time.sleep` (its wait between retries) streamctl's `pause`: huggingface_hub's
+    http_backoff (which would wait out any Retry-After), botocore's endpoint, azure-core's transport sleep (its
+    RetryPolicy's Retry-After waits and the storage policies' back-off), google-api-core's retry loop."""
+    if getattr(module, "time", None) is time:
+        module.time = _SdkClock()
 
 
 # -- transport hooks ---------------------------------------------------------------------------------------
@@ -345,9 +444,12 @@ def install_urllib3() -> None:
         def _make_request(self: Any, conn: Any, *args: Any, **kwargs: Any) -> Any:
             scope = current()
             if scope is None:
-                return make_request(self, conn, *args, **kwargs)
+                response = make_request(self, conn, *args, **kwargs)
+                note_answer(f"{self.host}:{self.port}", response.status, response.headers)
+                return response
             _WATCHDOG.begin(scope, f"{self.host}:{self.port}", conn)
             response = make_request(self, conn, *args, **kwargs)
+            note_answer(f"{self.host}:{self.port}", response.status, response.headers)
             # http.client drops conn.sock once the headers say `Connection: close`; the body still flows
             # through the response's socket file.
             sock = _response_socket(response)
@@ -448,11 +550,13 @@ def httpx_transport(httpx: Any, httpcore: Any, inner: Any) -> Any:
     class DeadlineTransport(httpx.BaseTransport):
         def handle_request(self, request: Any) -> Any:
             scope = current()
-            if scope is None:
-                return inner.handle_request(request)
-            _WATCHDOG.begin(scope, f"{request.url.host}:{request.url.port or _default_port(request.url.scheme)}")
+            endpoint = f"{request.url.host}:{request.url.port or _default_port(request.url.scheme)}"
+            if scope is not None:
+                _WATCHDOG.begin(scope, endpoint)
             response = inner.handle_request(request)
-            response.stream = _Body(response.stream, scope)
+            note_answer(endpoint, response.status_code, response.headers)
+            if scope is not None:
+                response.stream = _Body(response.stream, scope)
             return response
 
         def close(self) -> None:

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import google.api_core.exceptions as gexc
 import google.auth
@@ -172,6 +172,9 @@ def _make_client(environ: Mapping[str, str] = os.environ) -> storage.Client:
         credentials, adc_project = google.auth.default(scopes=_SCOPES)
         project = project or adc_project
     deadlines.install_urllib3()  # requests' timeouts are per socket read: the overall deadline is ours
+    import google.api_core.retry.retry_unary as retry_unary
+
+    deadlines.route_sleeps(retry_unary)  # its back-off: stoppable, and a Retry-After served capped
     session = AuthorizedSession(credentials)
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=64)
@@ -391,12 +394,15 @@ class GCSStore(_errors.CloudRequests):
                         return 0  # the range starts at or after the end of the object
                     if response.status_code >= 400:
                         raise gexc.from_http_response(response)
+                    # An emulator or proxy may ignore Range: never read a whole object per part.
+                    content_range = response.headers.get("Content-Range", "") if response.status_code == 206 else None
+                    skip = _errors.check_range_answer(self.url(key), urlsplit(url).netloc, start, content_range)
                     if response.status_code == 206:
                         received = receive_body_into(response.raw, buffer)
                         if received is not None:
                             return received
-                    data = response.raw.read(decode_content=False)  # the body inside the deadline too
-                    return copy_into(buffer, data if response.status_code == 206 else data[start : start + length])
+                    # The body inside the deadline too; of a whole object, only up to the range's end.
+                    return copy_into(buffer, response.raw.read(skip + length, decode_content=False)[skip:])
                 finally:
                     response.close()
 

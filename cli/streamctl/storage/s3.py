@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bce
@@ -177,6 +178,9 @@ def _make_client(settings: S3Settings) -> Any:
         user_agent_extra="streamctl",
     )
     deadlines.install_urllib3()  # read_timeout is per socket read: a dribbling server needs an overall deadline
+    import botocore.endpoint
+
+    deadlines.route_sleeps(botocore.endpoint)  # its retry back-off: stoppable, and a Retry-After served capped
     # A private session: boto3's default session is not safe to create clients from in several threads.
     return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
 
@@ -402,14 +406,23 @@ class S3Store(_errors.CloudRequests):
             def get() -> int:
                 response = client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
                 body = response["Body"]
+                try:  # an S3-compatible server may ignore Range: never read a whole object per part
+                    skip = _errors.check_range_answer(
+                        self.url(key), urlsplit(client.meta.endpoint_url).netloc, start, response.get("ContentRange")
+                    )
+                except StreamctlError:
+                    body.close()
+                    raise
                 # The range itself, straight into place when provable; never past a body that checks a
                 # checksum as it is read (botocore's subclasses of StreamingBody).
                 if response.get("ContentRange") and type(body) is StreamingBody:
                     received = receive_body_into(getattr(body, "_raw_stream", None), buffer)
                     if received is not None:
                         return received
-                data = body.read()  # the body inside the deadline too
-                return copy_into(buffer, data if response.get("ContentRange") else data[start : start + length])
+                try:  # the body inside the deadline too; of a whole object, only up to the range's end
+                    return copy_into(buffer, body.read(skip + length)[skip:])
+                finally:
+                    body.close()
 
             try:
                 return self._call(key, get, length)
