@@ -104,6 +104,10 @@ class HeaderProblem:
     message: str
     severity: Severity = "error"
 
+    def describe(self) -> str:
+        """The message with the tensor it is about, for a one-line error outside a findings table."""
+        return self.message if self.tensor is None else f"tensor {self.tensor}: {self.message}"
+
 
 @dataclass(frozen=True)
 class ParsedHeader:
