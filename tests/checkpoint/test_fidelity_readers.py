@@ -316,3 +316,17 @@ def test_findings_name_a_hostile_tensor_escaped(tmp_path: Path) -> None:
     assert "u\\x1b[2J" in human.stdout + human.stderr and "\x1b[2J" not in human.stdout + human.stderr
     document = run_cli("verify-index", str(folder), "--json").json()
     assert [f["tensor"] for f in document["findings"] if f["code"] == "duplicate-key"] == ["u\x1b[2J"]
+
+
+@pytest.mark.parametrize("name", ["dim-2-63", "dup-metadata", "dup-tensor-same", "index-dup-two-files"])
+def test_verify_index_and_the_serve_preflight_give_the_same_verdict(tmp_path: Path, name: str) -> None:
+    case = next(case for case in CASES if case.name == name)
+    folder = case.folder(tmp_path)
+    expected = 0 if all(case.loads.values()) else 1
+    verify = run_cli("verify-index", str(folder), "--json")
+    assert verify.exit_code == expected, verify.stdout + verify.stderr
+    assert (case.severity, case.code) in [(f["severity"], f["code"]) for f in verify.json()["findings"]]
+    serve = run_cli("serve", str(folder), "--dry-run")
+    assert (serve.exit_code == 0) is (expected == 0), serve.stdout + serve.stderr
+    if expected:
+        assert case.code in serve.stderr
