@@ -423,3 +423,10 @@ def test_read_header_reports_an_object_that_vanished_or_shrank(tmp_path: Path) -
     (tmp_path / "f.safetensors").write_bytes(VALID[:20])
     shrunk = read_header(store, "f.safetensors", size, speculative_bytes=10)  # type: ignore[arg-type]
     assert shrunk.problem is not None and shrunk.problem.code == "object-changed"
+
+
+def test_rule6_a_broken_last_entry_replaces_a_good_first_one() -> None:
+    raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1]}}'
+    parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
+    assert codes(file_from_header(None, raw=raw, data=b"x")) == ["bad-tensor-entry", "duplicate-tensor"]
+    assert parsed.tensors == () and not parsed.complete and not parsed.ok

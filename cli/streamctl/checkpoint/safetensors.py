@@ -799,8 +799,7 @@ class _Root:
                 self.tensors.append(tensor)
             elif span is not None:
                 self.spans.append(span)
-            else:
-                self.entries -= 1  # a broken last entry: nothing of that name is usable (its problems are errors)
+            # else a broken last entry: nothing of that name is usable, and the header is not `complete`
         self.later = {}
 
 
