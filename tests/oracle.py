@@ -205,6 +205,12 @@ def stream_runai_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_T
     return _run_jobs("stream_runai.py", jobs, "results", timeout)
 
 
+def read_safetensors_many(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """What the reference safetensors reader, vLLM's weight iterator and the Run:ai streamer load from each
+    folder: {READER: {"ok", "tensors": {name: [shape, sha256]}, "error"}} (tests/vllm_oracle/read_safetensors.py)."""
+    return _run_jobs("read_safetensors.py", [{"folder": str(folder)} for folder in folders], "results", timeout)
+
+
 def pooling_config_many(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """vLLM's `get_pooling_config` per local folder: {"pooling": {key: str(value)} or None, "error"}."""
     return _run_jobs("pooling_config.py", [str(folder) for folder in folders], "results", timeout)

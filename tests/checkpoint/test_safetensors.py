@@ -198,21 +198,27 @@ def test_rule5_unknown_fields_in_an_entry_warn() -> None:
 # --- Rule 6: duplicate keys -----------------------------------------------------------------------
 
 
-def test_rule6_a_tensor_twice_is_an_error_even_though_readers_keep_the_last() -> None:
-    raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
+def test_rule6_a_tensor_twice_is_a_warning_and_its_last_entry_is_the_one_kept() -> None:
+    # Every reader loads the last entry (test_fidelity_readers measures it); the layout rules judge that one.
+    raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"I8","shape":[1],"data_offsets":[0,1]}}'
     parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
-    assert [(problem.code, problem.tensor) for problem in parsed.problems] == [("duplicate-tensor", "t")]
+    assert [(problem.code, problem.severity, problem.tensor) for problem in parsed.problems] == [
+        ("duplicate-tensor", "warning", "t")
+    ]
+    assert [(tensor.name, tensor.dtype) for tensor in parsed.tensors] == [("t", "I8")] and parsed.complete
 
 
-def test_rule6_a_key_twice_inside_an_entry_is_an_error() -> None:
-    raw = b'{"t":{"dtype":"F32","dtype":"U8","shape":[1],"data_offsets":[0,1]}}'
-    assert codes(file_from_header(None, raw=raw, data=b"x")) == ["duplicate-key"]
+def test_rule6_a_field_twice_inside_an_entry_is_an_error_naming_the_tensor() -> None:
+    for field in ('"dtype":"U8"', '"shape":[1]', '"data_offsets":[0,1]'):
+        raw = b'{"w":{"dtype":"U8","shape":[1],"data_offsets":[0,1],' + field.encode() + b"}}"
+        parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
+        assert [(problem.code, problem.tensor) for problem in parsed.problems] == [("duplicate-key", "w")], field
 
 
 def test_rule6_duplicates_are_seen_at_any_depth() -> None:
     document = decode_json_strictly(b'{"a":{"b":1,"b":2},"c":3,"c":4}')
-    assert sorted(key for _, key in document.duplicate_keys) == ["b", "c"]
-    assert [key for owner, key in document.duplicate_keys if owner is document.value] == ["c"]
+    assert sorted((key, earlier) for _, key, earlier in document.duplicate_keys) == [("b", 1), ("c", 3)]
+    assert [key for owner, key, _ in document.duplicate_keys if owner is document.value] == ["c"]
 
 
 # --- Rule 7: dtypes ---------------------------------------------------------------------------------
@@ -294,7 +300,21 @@ def test_rule8_sub_byte_totals_must_be_whole_bytes() -> None:
 def test_rule8_size_arithmetic_is_checked_like_the_reference_reader() -> None:
     # 2**32 * 2**32 overflows usize before the 0 could bring the product back down.
     assert codes(file_from_header({"t": entry("U8", [2**32, 2**32, 0], 0, 0)})) == ["size-overflow"]
-    assert codes(file_from_header({"t": entry("U16", [2**63], 0, 2**64 - 1)})) == ["file-truncated", "size-overflow"]
+    assert codes(file_from_header({"t": entry("U16", [2**62, 4], 0, 2**64 - 1)})) == ["file-truncated", "size-overflow"]
+
+
+def test_rule8_a_dimension_must_fit_a_signed_64_bit_integer() -> None:
+    # numpy, torch and the Run:ai streamer build the tensor with int64 dimensions (test_fidelity_readers).
+    assert codes(file_from_header({"t": entry("U8", [0, 2**63 - 1], 0, 0)})) == []
+    for shape in ([2**63], [0, 2**63], [2**64 - 1, 0], [1, 2**63 + 1, 0]):
+        assert codes(file_from_header({"t": entry("U8", shape, 0, 0)})) == ["bad-shape"], shape
+    assert codes(file_from_header({"t": entry("U16", [2**63], 0, 2**64 - 1)})) == ["bad-shape", "file-truncated"]
+
+
+def test_rule8_an_empty_tensor_may_not_span_more_than_2_63_bytes() -> None:
+    assert codes(file_from_header({"t": entry("F32", [2**61 - 1, 0], 0, 0)})) == []
+    for dtype, shape in (("F32", [0, 2**61]), ("U8", [0, 2**62, 2]), ("F64", [2**40, 0, 2**40])):
+        assert codes(file_from_header({"t": entry(dtype, shape, 0, 0)})) == ["bad-shape"], shape
 
 
 def test_rule8_scalars_and_empty_tensors_are_valid() -> None:
@@ -403,3 +423,10 @@ def test_read_header_reports_an_object_that_vanished_or_shrank(tmp_path: Path) -
     (tmp_path / "f.safetensors").write_bytes(VALID[:20])
     shrunk = read_header(store, "f.safetensors", size, speculative_bytes=10)  # type: ignore[arg-type]
     assert shrunk.problem is not None and shrunk.problem.code == "object-changed"
+
+
+def test_rule6_a_broken_last_entry_replaces_a_good_first_one() -> None:
+    raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1]}}'
+    parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
+    assert codes(file_from_header(None, raw=raw, data=b"x")) == ["bad-tensor-entry", "duplicate-tensor"]
+    assert parsed.tensors == () and not parsed.complete and not parsed.ok

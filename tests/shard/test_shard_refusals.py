@@ -4,6 +4,7 @@ an occupied DEST, a missing SOURCE (exit codes 2 and 3), and what planning and `
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from shard_models import (
 )
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import UsageError
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.planning import plan_shard
 from streamctl.storage import open_location
@@ -162,3 +164,16 @@ def test_plan_needs_no_data_reads(tmp_path: Path) -> None:
     plan = plan_shard(source, open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2))
     assert all(read[1] == 0 for read in store.reads)  # headers, index and config only
     assert plan.total_bytes == sum(file.size for file in plan.files())
+
+
+def test_a_broken_header_is_refused_naming_its_tensor(tmp_path: Path) -> None:
+    """Issue 22 item 8: the refusal names the tensor the readers fail on, not only the file."""
+    from checkpoints import header_of, truncate_object
+
+    write_model(tmp_path / "hf", "llama-gqa")
+    source = open_location(str(tmp_path / "hf"))
+    shard = sorted(path.name for path in (tmp_path / "hf").glob("*.safetensors"))[-1]
+    last = max(header_of(source, shard).items(), key=lambda item: item[1].get("data_offsets", [0, 0])[1])[0]
+    truncate_object(source, shard, 1)
+    with pytest.raises(UsageError, match=rf"{shard}: tensor {re.escape(last)}: header and offsets need"):
+        plan_shard(source, open_location(str(tmp_path / "out")), ShardOptions(tensor_parallel_size=2))

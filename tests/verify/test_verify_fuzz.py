@@ -29,11 +29,21 @@ class _Invalid(Exception):
     pass
 
 
-def _strict_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise _Invalid("duplicate key")
-    return dict(pairs)
+class _Object(dict[str, Any]):
+    """A JSON object as serde_json reads one: the last value of a repeated key wins, every pair is kept."""
+
+    pairs: list[tuple[str, Any]]
+
+
+def _object(pairs: list[tuple[str, Any]]) -> _Object:
+    result = _Object(pairs)
+    result.pairs = pairs
+    return result
+
+
+def _repeats(value: Any, keys: Any) -> bool:
+    names = [key for key, _ in value.pairs if key in keys] if isinstance(value, _Object) else []
+    return len(set(names)) != len(names)
 
 
 def _no_constants(name: str) -> Any:
@@ -58,8 +68,10 @@ def _u64(value: Any) -> bool:
 def oracle_accepts(data: bytes) -> bool:
     """Rules 1-9 written out plainly, independently of streamctl.checkpoint.safetensors (the parser under test).
 
-    Stricter than the reference reader in the same places streamctl is on purpose: duplicate keys,
-    lone surrogates, and JSON nested deeper than 64 levels are invalid.
+    Repeated keys as the reference reader (serde) takes them: a repeated tensor or metadata key keeps its
+    last value, but every value is checked as it comes; `__metadata__` or a field of the format twice in
+    one object is refused ("duplicate field"). Stricter than the reference reader in the same places
+    streamctl is on purpose: lone surrogates and JSON nested deeper than 64 levels are invalid.
     """
     try:
         if len(data) < 8:
@@ -69,23 +81,26 @@ def oracle_accepts(data: bytes) -> bool:
             raise _Invalid
         try:
             text = data[8 : 8 + length].decode("utf-8")
-            header = json.loads(text, object_pairs_hook=_strict_object, parse_constant=_no_constants)
+            header = json.loads(text, object_pairs_hook=_object, parse_constant=_no_constants)
         except (ValueError, RecursionError) as error:
             raise _Invalid from error
         if not isinstance(header, dict) or _depth(header) > 64:
             raise _Invalid
-        spans = []
-        for name, entry in header.items():
+        spans: dict[str, tuple[int, int]] = {}  # the last entry of a name wins
+        if [name for name, _ in header.pairs].count("__metadata__") > 1:
+            raise _Invalid
+        for name, entry in header.pairs:
             name.encode("utf-8")  # UnicodeEncodeError (a ValueError) on lone surrogates
             if name == "__metadata__":
                 if entry is not None and not (
-                    isinstance(entry, dict) and all(isinstance(v, str) for v in entry.values())
+                    isinstance(entry, dict) and all(isinstance(v, str) for _, v in entry.pairs)
                 ):
                     raise _Invalid
                 for key, item in (entry or {}).items():
                     key.encode("utf-8"), item.encode("utf-8")
                 continue
-            if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
+            fields = ("dtype", "shape", "data_offsets")
+            if not isinstance(entry, dict) or not set(fields) <= set(entry) or _repeats(entry, fields):
                 raise _Invalid
             dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
             bits = (
@@ -104,7 +119,8 @@ def oracle_accepts(data: bytes) -> bool:
                 if isinstance(dtype, str)
                 else 0
             )
-            if not bits or not isinstance(shape, list) or not all(map(_u64, shape)):
+            # numpy and torch build tensors with int64 dimensions (test_fidelity_readers).
+            if not bits or not isinstance(shape, list) or not all(_u64(dim) and dim < 2**63 for dim in shape):
                 raise _Invalid
             if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_u64, offsets)):
                 raise _Invalid
@@ -115,9 +131,14 @@ def oracle_accepts(data: bytes) -> bool:
                     raise _Invalid
             if elements * bits >= 2**64 or elements * bits % 8 or offsets[1] - offsets[0] != elements * bits // 8:
                 raise _Invalid
-            spans.append((offsets[0], offsets[1]))
+            extent = 1
+            for dim in shape:
+                extent *= dim or 1
+            if elements == 0 and shape and (extent * bits + 7) // 8 >= 2**63:  # numpy: "array is too big"
+                raise _Invalid
+            spans[name] = (offsets[0], offsets[1])
         position = 0
-        for begin, end in sorted(spans):
+        for begin, end in sorted(spans.values()):
             if begin != position:
                 raise _Invalid
             position = end

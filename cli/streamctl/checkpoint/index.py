@@ -25,11 +25,21 @@ class InvalidIndex(UsageError):
 
 
 @dataclass(frozen=True)
+class IndexDuplicate:
+    """A tensor named again in weight_map. vLLM and transformers read the index with json.load (the last
+    entry wins) and load every file its values name, so they agree: only `file` counts."""
+
+    tensor: str  # printable
+    earlier: str  # the file an earlier entry named (printable; repr of a non-string)
+    file: str  # the file the last entry names, the one readers use (printable)
+
+
+@dataclass(frozen=True)
 class CheckpointIndex:
     name: str
     weight_map: Mapping[str, str]  # tensor name -> shard file name
     total_size: int | None  # metadata.total_size when it is an integer
-    duplicate_tensors: tuple[str, ...] = ()  # printable names that appear twice in weight_map
+    duplicate_tensors: tuple[IndexDuplicate, ...] = ()  # tensors that appear more than once in weight_map
     total_size_problem: str | None = None  # why metadata.total_size was ignored
 
     @property
@@ -47,7 +57,15 @@ def parse_index(name: str, data: bytes) -> CheckpointIndex:
     weight_map = value.get("weight_map") if isinstance(value, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(file, str) for file in weight_map.values()):
         raise InvalidIndex(name, 'the index must be an object with "weight_map": {tensor: file name}')
-    duplicates = tuple(printable(key) for owner, key in document.duplicate_keys if owner is weight_map)
+    duplicates = tuple(
+        IndexDuplicate(
+            printable(duplicate.key),
+            printable(duplicate.earlier) if isinstance(duplicate.earlier, str) else repr(duplicate.earlier)[:100],
+            printable(weight_map[duplicate.key]),
+        )
+        for duplicate in document.duplicate_keys
+        if duplicate.owner is weight_map
+    )
     metadata = value.get("metadata")
     total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
     problem = None

@@ -25,9 +25,10 @@ import re
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from streamctl.errors import NotFoundError, UsageError
+from streamctl.limits import shown_number
 from streamctl.storage.base import ObjectInfo, Store
 
 Severity = Literal["error", "warning"]
@@ -39,6 +40,10 @@ MAX_HEADER_BYTES = 100_000_000
 HF_MAX_HEADER_BYTES = 25_000_000
 DEFAULT_SPECULATIVE_BYTES = 100_000  # what huggingface_hub reads first ("97% of headers are smaller")
 U64_MAX = 2**64 - 1  # the reference reader stores shapes and offsets as usize (64-bit)
+# Each dimension must also fit a signed 64-bit integer: the reference reader's numpy and torch back ends,
+# vLLM and the Run:ai streamer build the tensor with it and fail past 2**63-1 ("Overflow when unpacking
+# long long", numpy's "Maximum allowed dimension exceeded"), even when the tensor holds no element.
+MAX_DIM = 2**63 - 1
 # A valid header nests three levels deep (object -> tensor entry -> shape list); anything far deeper is
 # an attack or garbage, and must be refused before the recursive JSON parser sees it.
 MAX_JSON_DEPTH = 64
@@ -99,6 +104,10 @@ class HeaderProblem:
     message: str
     severity: Severity = "error"
 
+    def describe(self) -> str:
+        """The message with the tensor it is about, for a one-line error outside a findings table."""
+        return self.message if self.tensor is None else f"tensor {self.tensor}: {self.message}"
+
 
 @dataclass(frozen=True)
 class ParsedHeader:
@@ -122,15 +131,23 @@ class ParsedHeader:
         return max((tensor.end for tensor in self.tensors), default=0)
 
 
+class DuplicateKey(NamedTuple):
+    """A key seen again in one JSON object. Python's json, serde_json maps and the readers keep the last
+    value; `earlier` is the value it replaced."""
+
+    owner: Mapping[str, Any]  # the dict that holds the key (callers tell the root from a nested map by `is`)
+    key: str
+    earlier: Any
+
+
 @dataclass(frozen=True)
 class JsonDocument:
     """The result of `decode_json_strictly`: a value, or the reason there is none."""
 
     value: Any
     error: HeaderProblem | None
-    # (object, key) for every key that appeared twice in one object; the object is the dict inside
-    # `value` that holds it, so callers can tell the root or a nested map (`owner is value`).
-    duplicate_keys: tuple[tuple[Mapping[str, Any], str], ...] = ()
+    # Every key that appeared twice in one object (see DuplicateKey).
+    duplicate_keys: tuple[DuplicateKey, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -266,13 +283,13 @@ def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: 
     complexity = _json_complexity_problem(data, max_depth, what)
     if complexity is not None:
         return JsonDocument(None, complexity)
-    duplicates: list[tuple[dict[str, Any], str]] = []
+    duplicates: list[DuplicateKey] = []
 
     def collect_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         result: dict[str, Any] = {}
         for key, value in pairs:
             if key in result:
-                duplicates.append((result, key))  # keep the dict alive so identity checks stay valid
+                duplicates.append(DuplicateKey(result, key, result[key]))  # holds the dict: `is` stays valid
             result[key] = value
         return result
 
@@ -291,6 +308,13 @@ def decode_json_strictly(data: bytes, *, max_depth: int = MAX_JSON_DEPTH, what: 
 
 def _is_u64(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+
+
+def _is_dim(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_DIM
+
+
+_BAD_SHAPE = "shape must be a list of integers 0..2**63-1 (readers build tensors with signed 64-bit dimensions)"
 
 
 def _has_lone_surrogate(text: str) -> bool:
@@ -360,8 +384,8 @@ def _check_entry(name: str, entry: Any) -> tuple[TensorInfo | None, _Span | None
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         problems.append(_error("unknown-dtype", f"unknown dtype {dtype!r}"[:200], shown))
         valid = False
-    if not isinstance(shape, list) or not all(_is_u64(dim) for dim in shape):
-        problems.append(_error("bad-shape", f"shape must be a list of integers 0..2**64-1, got {shape!r}"[:200], shown))
+    if not isinstance(shape, list) or not all(_is_dim(dim) for dim in shape):
+        problems.append(_error("bad-shape", f"{_BAD_SHAPE}, got {shape!r}"[:300], shown))
         valid = False
     if not valid or span is None:
         return None, span, problems
@@ -397,13 +421,31 @@ def tensor_nbits(dtype: str, shape: Sequence[int]) -> int | None:
     return total if total <= U64_MAX else None
 
 
+def _empty_extent_problem(tensor: TensorInfo) -> HeaderProblem | None:
+    """An empty tensor whose other dimensions span more than 2**63-1 bytes: numpy refuses to build it ("array
+    is too big") and torch overflows computing its strides, though it holds no element."""
+    extent = math.prod(dim for dim in tensor.shape if dim)
+    extent_bytes = -(-extent * DTYPE_BITS[tensor.dtype] // 8)
+    if extent_bytes <= MAX_DIM:
+        return None
+    return _error(
+        "bad-shape",
+        f"empty {tensor.dtype} tensor of shape {_shape_text(tensor.shape)}: its non-zero dimensions span "
+        f"{shown_number(extent_bytes)} bytes, over the 2**63-1 numpy and torch can build (even with no element)",
+        printable(tensor.name),
+    )
+
+
 def _check_sizes(tensors: Sequence[TensorInfo]) -> Iterator[HeaderProblem]:
     """Rule 8: prod(shape) * bits / 8 == end - begin, with checked arithmetic."""
     for tensor in tensors:
         if tensor.end < tensor.begin:
             continue  # reported by the contiguity check
         nbits = tensor_nbits(tensor.dtype, tensor.shape)
-        if nbits is None:
+        empty_extent = _empty_extent_problem(tensor) if nbits == 0 and tensor.shape else None
+        if empty_extent is not None:
+            yield empty_extent
+        elif nbits is None:
             yield (
                 _error(
                     "size-overflow",
@@ -544,7 +586,7 @@ class _Scanner:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        self.duplicates: list[tuple[dict[str, Any], str]] = []
+        self.duplicates: list[DuplicateKey] = []
         self.decoder = json.JSONDecoder(
             object_pairs_hook=self._collect_pairs, parse_constant=_reject_constant, parse_int=_parse_int
         )
@@ -553,7 +595,7 @@ class _Scanner:
         result: dict[str, Any] = {}
         for key, value in pairs:
             if key in result:
-                self.duplicates.append((result, key))
+                self.duplicates.append(DuplicateKey(result, key, result[key]))
             result[key] = value
         return result
 
@@ -661,8 +703,7 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
         _scan_root(scanner, start, root)
     except _HeaderSyntaxError as failure:
         return ParsedHeader(header_length, (), None, (*log.kept, failure.problem))
-    for _owner, key in scanner.duplicates:
-        log.add(_error("duplicate-key", f"key {printable(key)!r} appears twice in one JSON object"))
+    root.apply_later_entries()
     tensors, spans, entries, metadata = root.tensors, root.spans, root.entries, root.metadata
     del root, scanner
 
@@ -676,8 +717,14 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
         data_end = max(max((tensor.end for tensor in tensors), default=0), max((span.end for span in spans), default=0))
         expected = HEADER_LENGTH_BYTES + header_length + data_end
         if expected > object_size:
+            cut = _first_cut_tensor([*tensors, *spans], object_size - HEADER_LENGTH_BYTES - header_length)
             log.add(
-                _error("file-truncated", f"header and offsets need {expected:,} bytes; the object has {object_size:,}")
+                _error(
+                    "file-truncated",
+                    f"header and offsets need {expected:,} bytes; the object has {object_size:,}, so this "
+                    "tensor's data is cut short (and any after it)",
+                    printable(cut.name),
+                )
             )
         elif expected < object_size:
             log.add(
@@ -693,9 +740,18 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
     )
 
 
+def _first_cut_tensor(spans: Sequence[TensorInfo | _Span], data_available: int) -> TensorInfo | _Span:
+    """The tensor a reader fails on in a truncated file: the first, in file order, whose data ends past it."""
+    return min((span for span in spans if span.end > data_available), key=lambda span: (span.begin, span.end))
+
+
 @dataclass
 class _Root:
-    """What the root object's entries leave behind."""
+    """What the root object's entries leave behind.
+
+    A name seen twice is loaded from its last entry by every reader (serde_json's map, the streamer):
+    the last entry replaces the earlier one here too, so the layout rules judge what is loaded.
+    """
 
     log: _ProblemLog
     tensors: list[TensorInfo] = field(default_factory=list)
@@ -704,6 +760,8 @@ class _Root:
     entries: int = 0
     metadata: Mapping[str, str] | None = None
     last_end: int = 0  # the end offset of the last tensor kept
+    # The last entry of each name seen more than once (rare), applied by `apply_later_entries`.
+    later: dict[str, tuple[TensorInfo | None, _Span | None]] = field(default_factory=dict)
 
     def entry(self, name: str, result: tuple[TensorInfo | None, _Span | None, list[HeaderProblem]]) -> None:
         tensor, span, problems = result
@@ -711,8 +769,14 @@ class _Root:
             self.log.extend(problems)
         if name in self.seen:
             self.log.add(
-                _error("duplicate-tensor", "tensor appears twice in the header; readers keep the last", printable(name))
+                _warning(
+                    "duplicate-tensor",
+                    "tensor appears more than once in the header; the safetensors reader, vLLM and the Run:ai "
+                    "streamer load its last entry",
+                    printable(name),
+                )
             )
+            self.later[name] = (tensor, span)
             return
         self.entries += 1
         if tensor is not None:
@@ -723,6 +787,20 @@ class _Root:
         else:
             return  # a broken entry: its name is not kept, so a later duplicate of it goes unnoticed (still an error)
         self.seen.add(name)
+
+    def apply_later_entries(self) -> None:
+        """Replace the first entry of each repeated name by its last one (one pass over the entries)."""
+        if not self.later:
+            return
+        self.tensors = [tensor for tensor in self.tensors if tensor.name not in self.later]
+        self.spans = [span for span in self.spans if span.name not in self.later]
+        for tensor, span in self.later.values():
+            if tensor is not None:
+                self.tensors.append(tensor)
+            elif span is not None:
+                self.spans.append(span)
+            # else a broken last entry: nothing of that name is usable, and the header is not `complete`
+        self.later = {}
 
 
 def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
@@ -747,19 +825,32 @@ def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
                 position = scanner.skip_ws(scanner.expect(scanner.skip_ws(position), b":"))
                 if name == METADATA_KEY:
                     if METADATA_KEY in root.seen:
-                        root.log.add(_error("duplicate-key", f"key {METADATA_KEY!r} appears twice in one JSON object"))
+                        root.log.add(
+                            _error(
+                                "duplicate-key",
+                                f"{METADATA_KEY!r} appears twice; the safetensors reader (and so vLLM) refuses it "
+                                "as a duplicate field, while the Run:ai streamer loads the file",
+                            )
+                        )
                     root.seen.add(METADATA_KEY)
+                    seen_duplicates = len(scanner.duplicates)
                     value, position = scanner.value(position)
                     root.metadata, problems = _check_metadata(value)
                     root.log.extend(problems)
+                    root.log.extend(_metadata_duplicates(value, scanner.duplicates[seen_duplicates:]))
+                    del scanner.duplicates[seen_duplicates:]
                 else:
                     canonical = _CANONICAL_ENTRY.match(data, position)
                     if canonical is not None:
                         root.entry(name, _canonical_entry(name, canonical, root.last_end))
                         position = canonical.end()
                     else:
+                        seen_duplicates = len(scanner.duplicates)
                         value, position = scanner.value(position)
-                        root.entry(name, _check_entry(name, value))
+                        entry_result = _check_entry(name, value)
+                        entry_result[2].extend(_entry_duplicates(name, value, scanner.duplicates[seen_duplicates:]))
+                        del scanner.duplicates[seen_duplicates:]
+                        root.entry(name, entry_result)
                         del value
                 position = scanner.skip_ws(position)
                 if data[position : position + 1] == b",":
@@ -770,6 +861,40 @@ def _scan_root(scanner: _Scanner, start: int, root: _Root) -> None:
     position = scanner.skip_ws(position)
     if position != len(data):
         raise _invalid_json("trailing characters", position)
+
+
+def _entry_duplicates(name: str, entry: Any, duplicates: Sequence[DuplicateKey]) -> Iterator[HeaderProblem]:
+    """A field of the format repeated in one tensor entry: the reference reader refuses it ("duplicate field"),
+    the Run:ai streamer takes the last, so the readers disagree. Repeated unknown fields (or keys nested in
+    them) are ignored by every reader, as the fields themselves are."""
+    for duplicate in duplicates:
+        if duplicate.owner is entry and duplicate.key in TENSOR_FIELDS:
+            yield _error(
+                "duplicate-key",
+                f"field {duplicate.key!r} appears twice in the tensor's entry; the safetensors reader (and so vLLM) "
+                "refuses it as a duplicate field, while the Run:ai streamer takes the last",
+                printable(name),
+            )
+
+
+def _metadata_duplicates(metadata: Any, duplicates: Sequence[DuplicateKey]) -> Iterator[HeaderProblem]:
+    """A key repeated in `__metadata__`: every reader keeps the last value, but the reference reader checks
+    each value as it comes, so an earlier value that is not a string fails it (and not the streamer)."""
+    for duplicate in duplicates:
+        if duplicate.owner is not metadata:
+            continue  # nested in a value that is not a string: already a bad-metadata error
+        shown = printable(duplicate.key)
+        if not isinstance(duplicate.earlier, str):
+            yield _error(
+                "bad-metadata",
+                f"__metadata__ values must be strings; the first {shown!r} is {type(duplicate.earlier).__name__} "
+                "(the safetensors reader checks every value, even one a later key replaces)",
+            )
+        else:
+            yield _warning(
+                "duplicate-metadata-key",
+                f"__metadata__ key {shown!r} appears more than once; every reader keeps the last value",
+            )
 
 
 def _not_an_object(header_json: bytes) -> HeaderProblem:
@@ -801,7 +926,7 @@ def _canonical_entry(
     cached = _shape_cache.get(shape_text)
     if cached is None:
         parsed = tuple(int(dim) for dim in shape_text.split(b",")) if shape_text.strip() else ()
-        cached = parsed, all(dim <= U64_MAX for dim in parsed)
+        cached = parsed, all(dim <= MAX_DIM for dim in parsed)
         if len(_shape_cache) < 4096:  # MoE checkpoints repeat a few shapes a million times: share them
             _shape_cache[shape_text] = cached
     shape, shape_ok = cached
@@ -812,7 +937,7 @@ def _canonical_entry(
     if dtype is None:
         problems.append(_error("unknown-dtype", f"unknown dtype {match.group('dtype').decode()!r}", printable(name)))
     if not shape_ok:
-        message = f"shape must be a list of integers 0..2**64-1, got {_shape_text(shape)}"
+        message = f"{_BAD_SHAPE}, got {_shape_text(shape)}"
         problems.append(_error("bad-shape", message, printable(name)))
     return None, _Span(name, begin, end), problems
 
@@ -910,7 +1035,7 @@ def encode_safetensors_header(
             raise UsageError(f"tensor name {name!r} is reserved or repeated")
         if dtype not in DTYPE_BITS:
             raise UsageError(f"unknown safetensors dtype {dtype!r} for {name!r}")
-        if not all(_is_u64(dim) for dim in shape):
+        if not all(_is_dim(dim) for dim in shape):
             raise UsageError(f"invalid shape {list(shape)!r} for {name!r}")
         nbits = tensor_nbits(dtype, shape)
         if nbits is None or nbits % 8 or nbits // 8 != nbytes:

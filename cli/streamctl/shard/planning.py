@@ -270,7 +270,7 @@ def read_source_tensors(source: Location, listing: SourceListing, files: Sequenc
         header = parse_header(read.header_json, size)
         if not header.ok:
             problem = next(problem for problem in header.problems if problem.severity == "error")
-            raise UsageError(f"{source.store.url(source.key(file))}: {problem.message}")
+            raise UsageError(f"{source.store.url(source.key(file))}: {problem.describe()}")
         data_start = HEADER_LENGTH_BYTES + header.header_length
         for info in header.tensors:
             if info.name in tensors:

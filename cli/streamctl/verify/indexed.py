@@ -29,8 +29,18 @@ def read_index(
     except InvalidIndex as error:
         findings.error("index-invalid", name, error.reason)
         return None
-    for tensor in index.duplicate_tensors:
-        findings.error("index-duplicate-tensor", name, "tensor appears twice in weight_map", tensor)
+    for duplicate in index.duplicate_tensors:
+        where = (
+            f"both times to {duplicate.file}"
+            if duplicate.earlier == duplicate.file
+            else f"to {duplicate.earlier}, then to {duplicate.file}"
+        )
+        findings.warning(
+            "index-duplicate-tensor",
+            name,
+            f"tensor appears more than once in weight_map ({where}); vLLM and transformers use the last entry",
+            duplicate.tensor,
+        )
     if index.total_size_problem is not None:
         findings.warning("total-size-mismatch", name, index.total_size_problem)
     return index

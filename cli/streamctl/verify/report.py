@@ -20,10 +20,11 @@ Finding codes
 | `bad-metadata` | error | `__metadata__` is not a map of string to string (rule 5; `null` is a warning) |
 | `bad-tensor-entry` | error | a tensor entry is not an object or lacks `dtype`, `shape` or `data_offsets` (rule 5) |
 | `unknown-tensor-field` | warning | a tensor entry has extra fields, ignored by readers (rule 5) |
-| `duplicate-tensor` | error | a tensor name appears twice in one header; readers silently keep the last (rule 6) |
-| `duplicate-key` | error | a key appears twice inside a tensor entry or `__metadata__` (rule 6) |
+| `duplicate-tensor` | warning | a tensor name appears twice in one header; every reader loads the last entry, which the other rules check (rule 6) |
+| `duplicate-key` | error | `dtype`, `shape` or `data_offsets` twice in one tensor entry, or `__metadata__` twice: the safetensors reader refuses it, the streamer loads it (rule 6) |
+| `duplicate-metadata-key` | warning | a key appears twice inside `__metadata__`; every reader keeps the last value (rule 6) |
 | `unknown-dtype` | error | dtype not in the safetensors dtype list (rule 7) |
-| `bad-shape` | error | shape is not a list of integers 0..2**64-1 (rules 5, 8) |
+| `bad-shape` | error | shape is not a list of integers 0..2**63-1: torch, numpy and the streamer fail on a larger dimension, even of an empty tensor (rules 5, 8) |
 | `bad-offsets` | error | `data_offsets` is not two integers 0..2**64-1 (rules 5, 8) |
 | `offsets-reversed` | error | a tensor's end offset is before its begin (rule 8) |
 | `offsets-gap` | error | unused bytes before a tensor's data (rule 8) |
@@ -31,7 +32,7 @@ Finding codes
 | `size-overflow` | error | prod(shape) * bits overflows 64 bits (rule 8) |
 | `size-not-whole-bytes` | error | a sub-byte dtype's total is not whole bytes (rule 8) |
 | `size-mismatch` | error | prod(shape) * bits / 8 differs from end - begin (rule 8) |
-| `file-truncated` | error | the object is shorter than header + data (rule 9) |
+| `file-truncated` | error | the object is shorter than header + data; names the first tensor cut short (rule 9) |
 | `file-trailing-bytes` | error | the object has bytes after the last tensor (rule 9) |
 | `object-vanished` | error | an object in the listing was gone when read |
 | `object-changed` | error | an object was shorter when read than the listing said |
@@ -41,7 +42,7 @@ Finding codes
 | `index-missing` | error | the index named with `--index` does not exist |
 | `index-too-large` | error | the index is over 100,000,000 bytes |
 | `index-invalid` | error | the index is not UTF-8 JSON like `{"metadata": {...}, "weight_map": {tensor: file}}` |
-| `index-duplicate-tensor` | error | a tensor appears twice in `weight_map` |
+| `index-duplicate-tensor` | warning | a tensor appears twice in `weight_map`; vLLM and transformers use the last entry, which the other rules check |
 | `unsafe-shard-name` | error | the index names a shard with `..`, an absolute path, a backslash or a sub-folder |
 | `shard-not-safetensors` | error | the index names a shard that is not a `.safetensors` file |
 | `missing-shard` | error | a shard named by the index does not exist |
