@@ -14,7 +14,12 @@ if TYPE_CHECKING:
 JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 # --debug and --quiet are accepted before the command (`streamctl --debug transfer ...`) and after it; both
 # places use these declarations.
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
+QuietOption = Annotated[
+    bool,
+    typer.Option(
+        "--quiet", "-q", help="Print the result alone (the DEST written; nothing for a check that passed); only errors on stderr."
+    ),
+]
 DebugOption = Annotated[bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")]
 EndpointOption = Annotated[
     str | None,
