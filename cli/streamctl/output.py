@@ -313,8 +313,11 @@ def print_table(console: Console, columns: Sequence[Column], rows: Sequence[Sequ
         console.print(Text(for_display(title), style="bold"), soft_wrap=True)
     for row in rows:
         if not getattr(console, "folds", True):  # a pipe: the whole row on one line, for grep
-            line = [Text(column.in_list.format(cell.plain), style=cell.style) for column, cell in zip(columns, row)]
-            console.print(Text("  ").join(cell for cell in line if cell.plain), soft_wrap=True, highlight=False)
+            whole = [
+                Text(column.in_list.format(cell.plain), style=cell.style)
+                for column, cell in zip(columns, row, strict=True)
+            ]
+            console.print(Text("  ").join(cell for cell in whole if cell.plain), soft_wrap=True, highlight=False)
             continue
         cells = [
             Text(columns[index].in_list.format(row[index].plain), style=row[index].style)

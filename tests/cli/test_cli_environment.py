@@ -85,7 +85,15 @@ def test_no_flat_variable_is_read_for_options_of_different_meanings() -> None:
             readers.setdefault(variable_of(name, option), []).append((name, option))
             by_name.setdefault(long_name(option), []).append(option)
     for variable, users in readers.items():
-        meanings = {(option.help, option.is_flag, option.multiple, str(getattr(getattr(option, "type_descriptor", None), "annotation", None))) for _, option in users}
+        meanings = {
+            (
+                option.help,
+                option.is_flag,
+                option.multiple,
+                str(getattr(getattr(option, "type_descriptor", None), "annotation", None)),
+            )
+            for _, option in users
+        }
         assert len(meanings) == 1, (variable, [command for command, _ in users], meanings)
     differing = {name for name, found in by_name.items() if len({option.help for option in found}) > 1}
     assert differing == PER_COMMAND

@@ -50,7 +50,9 @@ def parsed(arguments: list[str]) -> dict[str, Any]:
 
 
 def kubernetes_options() -> set[str]:
-    return {param.name for param in transfer_command().params if getattr(param, "rich_help_panel", None) == "Kubernetes"}
+    return {
+        param.name for param in transfer_command().params if getattr(param, "rich_help_panel", None) == "Kubernetes"
+    }
 
 
 def pod_command(arguments: list[str], *extra: str, env: dict[str, str] | None = None) -> list[str]:

@@ -17,7 +17,9 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON
 QuietOption = Annotated[
     bool,
     typer.Option(
-        "--quiet", "-q", help="Print the result alone (the DEST written; nothing for a check that passed); only errors on stderr."
+        "--quiet",
+        "-q",
+        help="Print the result alone (the DEST written; nothing for a check that passed); errors on stderr.",
     ),
 ]
 DebugOption = Annotated[bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")]
@@ -193,6 +195,6 @@ def command_line(ctx: typer.Context, values: dict[str, object], leave_out: froze
         if param.is_flag:  # type: ignore[attr-defined]
             arguments.append(flag if value else param.secondary_opts[0])
             continue
-        for item in value if param.multiple and isinstance(value, (list, tuple)) else [value]:
-            arguments.append(f"{flag}={item.value if isinstance(item, Enum) else item}")
+        items = value if param.multiple and isinstance(value, (list, tuple)) else [value]
+        arguments.extend(f"{flag}={item.value if isinstance(item, Enum) else item}" for item in items)
     return arguments
