@@ -79,9 +79,22 @@ def test_every_option_reaches_the_pod(case: str) -> None:
     in_pod = parsed(pod_command(CASES[case]))
     for name in NOT_FOR_THE_POD | kubernetes_options():
         given.pop(name, None), in_pod.pop(name, None)
-    if case == "to-azure":  # ORG/NAME is written as the Hub URL it means
-        given["source"] = "hf://org/model"
+    # ORG/NAME is written as the Hub URL it means, a dataset's with its kind (both name the same repo)
+    given["source"] = {"to-azure": "hf://org/model", "to-s3": "hf://datasets/org/data"}[case]
     assert in_pod == given
+
+
+def test_a_datasets_job_is_not_its_namesake_models() -> None:
+    """The Job's name and annotation are derived from the repo the pods copy, --repo-type included."""
+    jobs = []
+    for kind in ("model", "dataset"):
+        result = run_cli(
+            "transfer", "hf://org/same", "s3://bkt/copy", "--repo-type", kind, "--k8s-job", "--image", IMAGE
+        )
+        assert result.exit_code == 0, result.stderr
+        jobs.append(yaml.safe_load(result.stdout)["metadata"])
+    assert jobs[0]["name"] != jobs[1]["name"]
+    assert "datasets/org/same" in " ".join(jobs[1]["annotations"].values())
 
 
 def test_an_indexed_job_adds_only_the_share_and_the_token_stays_out() -> None:
@@ -91,7 +104,7 @@ def test_an_indexed_job_adds_only_the_share_and_the_token_stays_out() -> None:
     assert token not in " ".join(command)
     in_pod = parsed([part.replace("$(JOB_COMPLETION_INDEX)", "1") for part in command])
     assert in_pod.pop("worker") == "1/3"
-    given = parsed(TO_S3)
+    given = {**parsed(TO_S3), "source": "hf://datasets/org/data"}
     given.pop("worker")
     assert {name: value for name, value in in_pod.items() if name != "token"} == {
         name: value for name, value in given.items() if name != "token"

@@ -152,7 +152,7 @@ def command(
     refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
-        _print_job(ctx, source_url)
+        _print_job(ctx, _job_source(source_url, repo_type))
         return
     storage = storage_options(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token,
@@ -178,6 +178,17 @@ def _check_job(source_url: str, given: dict[str, Any]) -> None:
 # section, Kubernetes, which it is built from); the pod gets each share from its index (--worker); the token
 # is a secret, read in the pod from --secret's HF_TOKEN; --dry-run and --json are refused with --k8s-job.
 NOT_FOR_THE_POD = frozenset({"k8s_job", "worker", "token", "dry_run", "json_output"})
+
+
+def _job_source(source_url: str, repo_type: RepoType | None) -> str:
+    """A Hub SOURCE as the URL of the repo --repo-type names (hf://datasets/ORG/NAME, as the pod reads it):
+    the Job's name and annotation are derived from SOURCE, so a dataset's Job is not its namesake model's."""
+    from streamctl.storage.url import format_hf_url, parse_url
+
+    parsed = parse_url(source_url)
+    if parsed.scheme != "hf" or repo_type is None:
+        return source_url
+    return format_hf_url(repo_type.value, parsed.bucket, parsed.revision, parsed.prefix)
 
 
 def _pod_arguments(ctx: typer.Context) -> list[str]:
