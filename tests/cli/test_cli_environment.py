@@ -130,6 +130,8 @@ def test_a_variable_set_for_one_command_leaves_the_other_alone(
     assert code == 0, stderr
     assert "STREAMCTL_CONCURRENCY is not read" in stderr and "STREAMCTL_SERVE_CONCURRENCY" in stderr
     assert "STREAMCTL_PATTERN is not read" in stderr and "x-{rank}" not in stdout
+    code, stdout, stderr = run_main(monkeypatch, capsys, *SERVE_DRY)  # --json: the document alone
+    assert code == 0 and "is not read" not in stderr, stderr
 
 
 def test_an_option_from_the_environment_is_used(

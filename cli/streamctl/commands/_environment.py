@@ -151,7 +151,8 @@ class _FromEnvironment:
             elif param is not None and param.param_type_name == "option" and error.param_hint is None:
                 error.param_hint = " / ".join(f"'{name}'" for name in param.opts)  # no variables: it was typed
             raise
-        _warn_of_flat_names(self.params, self.name)  # type: ignore[attr-defined]
+        if not (ctx.params.get("quiet") or ctx.params.get("json_output")):  # the command's own, parsed just now
+            _warn_of_flat_names(self.params, self.name)  # type: ignore[attr-defined]
         for name, others in DEFERS_TO.items():
             if ctx.get_parameter_source(name) == ParameterSource.ENVIRONMENT and any(os.environ.get(v) for v in others):
                 param = next(param for param in self.params if param.name == name)  # type: ignore[attr-defined]
