@@ -2,6 +2,16 @@
 
 stdout carries the result (a report, or exactly one JSON document with --json); stderr carries progress
 and logs, which are off with --quiet, --json, or when stderr is not a terminal.
+
+--quiet, for every command, by one rule (QUIET_RENDERERS): stdout carries the result alone, as `hf download
+--quiet` prints only the path it wrote, and stderr only what failed. The result is the location written
+(transfer, shard: DEST, one line), what a dry run would copy (transfer --dry-run: one path a line), what
+the user asked to see (serve --dry-run: the vLLM command line; --k8s and --k8s-job: the manifests), and
+nothing for a check, whose verdict is its exit code (verify-index: nothing on success, its findings on
+stderr on failure). No plan, report, table, summary, progress, log or warning. --json beats --quiet.
+
+Widths: a report fits the terminal, or COLUMNS when set; written to a pipe, a table fits 80 columns or
+falls back to one line per row, and a sentence is never broken, so grep finds a whole row or summary.
 """
 
 from __future__ import annotations
@@ -53,8 +63,8 @@ def configure(*, debug: bool | None = None, quiet: bool | None = None, json_outp
     sdklogging.configure(settings.debug)
 
 
-# Piped output is read by people in logs and by grep: don't fold it to 80 columns.
-_PIPE_WIDTH = 200
+# A table written to a pipe fits this (the narrowest terminal, as a log viewer shows it) or becomes lines.
+_PIPE_WIDTH = 80
 # Human reports show this many findings of one kind per file, then a count of the rest.
 FINDINGS_SHOWN_PER_GROUP = 5
 # ... and this many of one code over all files.
@@ -66,24 +76,35 @@ class _SafeConsole(Console):
     and URLs reach the terminal with credentials masked and control sequences escaped, whichever report,
     table, log line or error prints them. Markup is applied after, so styles still work; no emoji codes."""
 
+    # Lines are broken to fit (a terminal, or COLUMNS given); else, in a pipe, one row or sentence a line.
+    folds = True
+
     def render_str(self, text: str, **kwargs: Any) -> Any:
         return super().render_str(for_display(text), **kwargs)
 
 
+def _columns() -> int | None:
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
 def _width(stream: Any) -> int | None:
     """COLUMNS when the user sets it (also for piped output), else the terminal's, else _PIPE_WIDTH."""
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit() and int(columns) > 0:
-        return int(columns)
-    return None if stream.isatty() else _PIPE_WIDTH
+    return _columns() or (None if stream.isatty() else _PIPE_WIDTH)
+
+
+def _console(stream: Any, **kwargs: Any) -> Console:
+    console = _SafeConsole(width=_width(stream), emoji=False, **kwargs)
+    console.folds = stream.isatty() or _columns() is not None  # a width someone sees
+    return console
 
 
 def stdout() -> Console:
-    return _SafeConsole(width=_width(sys.stdout), emoji=False)
+    return _console(sys.stdout)
 
 
 def stderr() -> Console:
-    return _SafeConsole(stderr=True, width=_width(sys.stderr), emoji=False)
+    return _console(sys.stderr, stderr=True)
 
 
 def chatty() -> bool:
@@ -132,7 +153,7 @@ def emit(result: Any) -> None:
     if settings.json:
         print_json(result.to_json())
     else:
-        _renderer(RENDERERS, result)(result)
+        _renderer(QUIET_RENDERERS if settings.quiet else RENDERERS, result)(result)
 
 
 def print_error(error: StreamctlError) -> None:
@@ -144,6 +165,9 @@ def print_error(error: StreamctlError) -> None:
     if isinstance(error, ChecksFailed):
         if settings.json:
             print_error_document(error.code, error.exit_code, error.message, error.hint, result.to_json())  # type: ignore[attr-defined]
+        elif settings.quiet:  # what failed, on stderr: stdout holds the result alone, and a failed check has none
+            report = getattr(result, "verify", result)
+            render_verify_report(report, to_stderr=True)  # type: ignore[arg-type]
         else:
             _renderer(RENDERERS, result)(result)
         return
@@ -151,7 +175,7 @@ def print_error(error: StreamctlError) -> None:
         details = error.details if error.details is not None or result is None else result.to_json()  # type: ignore[attr-defined]
         print_error_document(error.code, error.exit_code, error.message, error.hint, details)
     elif result is not None and type(result).__qualname__ in FAILURE_RENDERERS:
-        FAILURE_RENDERERS[type(result).__qualname__](result)
+        FAILURE_RENDERERS[type(result).__qualname__](result, to_stderr=settings.quiet)
     if settings.debug and error.__traceback__ is not None:
         traceback.print_exception(error, file=sys.stderr)
     console = stderr()
@@ -301,6 +325,13 @@ def print_table(console: Console, columns: Sequence[Column], rows: Sequence[Sequ
     if title:
         console.print(Text(for_display(title), style="bold"), soft_wrap=True)
     for row in rows:
+        if not getattr(console, "folds", True):  # a pipe: the whole row on one line, for grep
+            whole = [
+                Text(column.in_list.format(cell.plain), style=cell.style)
+                for column, cell in zip(columns, row, strict=True)
+            ]
+            console.print(Text("  ").join(cell for cell in whole if cell.plain), soft_wrap=True, highlight=False)
+            continue
         cells = [
             Text(columns[index].in_list.format(row[index].plain), style=row[index].style)
             for index in fixed
@@ -318,9 +349,10 @@ def print_phrases(console: Console, phrases: Sequence[Text | str], separator: st
     """Phrases joined by `separator`, wrapped only between phrases: "209.3 KiB" or "2 errors" never ends
     one line and starts the next. A phrase longer than a line is left to the terminal (soft wrap)."""
     line = Text()
+    folds = getattr(console, "folds", True)  # in a pipe a sentence stays on one line
     for phrase in phrases:
         text = Text.from_markup(for_display(phrase)) if isinstance(phrase, str) else phrase
-        if line.plain and line.cell_len + len(separator) + text.cell_len > console.width:
+        if folds and line.plain and line.cell_len + len(separator) + text.cell_len > console.width:
             console.print(line, soft_wrap=True, highlight=False)
             line = Text("  ")
         elif line.plain:
@@ -542,11 +574,11 @@ def render_shard_result(result: ShardResult) -> None:
     render_shard_checks(result)
 
 
-def render_shard_checks(result: ShardResult) -> None:
+def render_shard_checks(result: ShardResult, to_stderr: bool = False) -> None:
     """Both post-write checks; the verify findings and reconstruction problems when they failed."""
-    console = stdout()
+    console = stderr() if to_stderr else stdout()
     if not result.verify.ok:
-        render_verify_report(result.verify)
+        render_verify_report(result.verify, to_stderr=to_stderr)
     reconstruction = result.reconstruction
     if reconstruction is not None and not reconstruction.ok:
         for problem in reconstruction.problems:
@@ -601,7 +633,23 @@ RENDERERS: dict[str, Callable[[Any], None]] = {
     "ServeResult": render_serve_result,
 }
 # Shown above the error line of a failure that carries a result (a shard run whose checks failed).
-FAILURE_RENDERERS: dict[str, Callable[[Any], None]] = {"ShardResult": render_shard_checks}
+FAILURE_RENDERERS: dict[str, Callable[..., None]] = {"ShardResult": render_shard_checks}
+
+
+def _print_lines(lines: Sequence[str]) -> None:
+    """Bare lines on stdout (no markup, no wrapping), made safe for display as every report is."""
+    sys.stdout.write("".join(for_display(line) + "\n" for line in lines))
+    sys.stdout.flush()
+
+
+# --quiet: the result alone (see the module's docstring); one entry for each of RENDERERS.
+QUIET_RENDERERS: dict[str, Callable[[Any], None]] = {
+    "VerifyReport": lambda report: None,  # a check: its verdict is the exit code
+    "TransferPlan": lambda plan: _print_lines([file.path for file in plan.files if file.action == "copy"]),
+    "TransferRun": lambda run: _print_lines([run.result.dest]),
+    "ShardResult": lambda result: _print_lines([result.plan.dest]),
+    "ServeResult": render_serve_result,  # the command line is what --dry-run asks for
+}
 
 
 def _renderer(table: dict[str, Callable[[Any], None]], result: object) -> Callable[[Any], None]:

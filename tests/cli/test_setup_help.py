@@ -88,7 +88,7 @@ def test_help_shows_defaults_ranges_and_env_vars_whole() -> None:
     text = _help("shard")
     assert "-tp, --tensor-parallel-size N" in text
     # Every fact of an option, its environment variable last (the words may wrap, never split).
-    assert "[required; at least 1; env: STREAMCTL_TENSOR_PARALLEL_SIZE]" in " ".join(text.split())
+    assert "[required; at least 1; env: STREAMCTL_SHARD_TENSOR_PARALLEL_SIZE]" in " ".join(text.split())
     assert "model-pp-{pp_rank}-tp-{tp_rank}-part-{part}.safetensors" in text  # not cut off at 80 columns
     assert "AZURE_STORAGE_ACCOUNT_NAME" in text
     assert "--dtype auto|bfloat16|float16|float32" in text

@@ -14,7 +14,14 @@ if TYPE_CHECKING:
 JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 # --debug and --quiet are accepted before the command (`streamctl --debug transfer ...`) and after it; both
 # places use these declarations.
-QuietOption = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or logs on stderr.")]
+QuietOption = Annotated[
+    bool,
+    typer.Option(
+        "--quiet",
+        "-q",
+        help="Print the result alone (the DEST written; nothing for a check that passed); errors on stderr.",
+    ),
+]
 DebugOption = Annotated[bool, typer.Option("--debug", envvar="STREAMCTL_DEBUG", help="Show tracebacks and debug logs.")]
 EndpointOption = Annotated[
     str | None,
@@ -166,3 +173,28 @@ def refuse_together(ctx: typer.Context, first: str, second: str, why: str) -> No
     given = given_options(ctx)
     if first in given and second in given:
         raise UsageError(f"{given[first]} and {given[second]} together: {why}", hint="drop one of them")
+
+
+# ---------------------------------------------------------------------------------------- command lines
+def command_line(ctx: typer.Context, values: dict[str, object], leave_out: frozenset[str]) -> list[str]:
+    """`values` (option name -> parsed value, as ctx.params holds them) written back as this command's own
+    options, one argument each (`--include=*.py`, `--no-verify`), in the order of its definitions: the one
+    serializer for a command line another process runs (transfer --k8s-job's pods). Every option is written
+    whatever set it (typed, a variable, a default: the pod has neither this environment nor, perhaps, this
+    version's defaults) except those in `leave_out` and those with no value (None, an empty list, a flag off)."""
+    from enum import Enum
+
+    arguments: list[str] = []
+    for param in ctx.command.params:
+        if param.param_type_name != "option" or not param.name or param.name in leave_out:
+            continue
+        value = values.get(param.name)
+        flag = max(param.opts, key=len)
+        if value is None or value == [] or value == () or (value is False and not param.secondary_opts):
+            continue
+        if param.is_flag:  # type: ignore[attr-defined]
+            arguments.append(flag if value else param.secondary_opts[0])
+            continue
+        items = value if param.multiple and isinstance(value, (list, tuple)) else [value]
+        arguments.extend(f"{flag}={item.value if isinstance(item, Enum) else item}" for item in items)
+    return arguments

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -23,9 +23,6 @@ from streamctl.commands._options import (
     refuse_together,
     storage_options,
 )
-
-if TYPE_CHECKING:
-    from streamctl.transfer import TransferOptions
 
 
 class RepoType(str, Enum):
@@ -155,7 +152,7 @@ def command(
     refuse_together(ctx, "all_files", "include", "--all-files copies every file, --include adds to what vLLM needs")
     check_option_scope(ctx, [source_url, dest])
     if k8s_job:
-        _print_job(source_url, options, ctx.params)
+        _print_job(ctx, _job_source(source_url, repo_type))
         return
     storage = storage_options(
         endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token,
@@ -177,20 +174,41 @@ def _check_job(source_url: str, given: dict[str, Any]) -> None:
     check_transfer_job(source_url, given["dest"], **names)
 
 
-def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any]) -> None:
-    """The Kubernetes Job that runs this transfer in the cluster (every option given here, in its own words),
-    as YAML on stdout. `given` is the command's parameters by name."""
+# Options the Job's pods are not given, and why: the Job is how this command runs (--k8s-job and its own
+# section, Kubernetes, which it is built from); the pod gets each share from its index (--worker); the token
+# is a secret, read in the pod from --secret's HF_TOKEN; --dry-run and --json are refused with --k8s-job.
+NOT_FOR_THE_POD = frozenset({"k8s_job", "worker", "token", "dry_run", "json_output"})
+
+
+def _job_source(source_url: str, repo_type: RepoType | None) -> str:
+    """A Hub SOURCE as the URL of the repo --repo-type names (hf://datasets/ORG/NAME, as the pod reads it):
+    the Job's name and annotation are derived from SOURCE, so a dataset's Job is not its namesake model's."""
+    from streamctl.storage.url import format_hf_url, parse_url
+
+    parsed = parse_url(source_url)
+    if parsed.scheme != "hf" or repo_type is None:
+        return source_url
+    return format_hf_url(repo_type.value, parsed.bucket, parsed.revision, parsed.prefix)
+
+
+def _pod_arguments(ctx: typer.Context) -> list[str]:
+    """Every other option of this run, as parsed, for the pod's `streamctl transfer SOURCE DEST ...`."""
+    from streamctl.commands._options import command_line
+
+    kubernetes = {param.name for param in ctx.command.params if getattr(param, "rich_help_panel", None) == "Kubernetes"}
+    # --debug and --quiet count before the command too (`streamctl --debug transfer`): the run's own settings
+    values = {**ctx.params, "debug": output.settings.debug, "quiet": output.settings.quiet}
+    return command_line(ctx, values, NOT_FOR_THE_POD | {name for name in kubernetes if name})
+
+
+def _print_job(ctx: typer.Context, source_url: str) -> None:
+    """The Kubernetes Job that runs this transfer in the cluster (every option given here, written back by
+    the command line serializer), as YAML on stdout."""
     from streamctl import __version__
     from streamctl.k8s import to_yaml, transfer_job
 
-    arguments = ["--part-size", given["part_size"], "--max-buffer", given["max_buffer"]]
-    arguments += ["-j", str(options.concurrency)] + ([f"--revision={given['revision']}"] if given["revision"] else [])
-    arguments += [f"--include={glob}" for glob in options.include] + [f"--exclude={glob}" for glob in options.exclude]
-    arguments += ["--all-files"] * options.all_files + ["--follow-symlinks"] * given["follow_symlinks"]
-    arguments += ["--force"] * options.force + ["--no-verify"] * (not given["verify"])
-    arguments += [f"--endpoint-url={given['endpoint_url']}"] if given["endpoint_url"] else []
-    arguments += ["--path-style"] if given["path_style"] else []
-    arguments += [f"--azure-account={given['azure_account']}"] if given["azure_account"] else []
+    given = ctx.params
+    arguments = _pod_arguments(ctx)
     if given["token"] and not given["secret"]:
         output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
     if given["parallelism"] and source_url.startswith("hf://") and not given["revision"]:
@@ -204,7 +222,7 @@ def _print_job(source_url: str, options: TransferOptions, given: dict[str, Any])
         version=__version__,
         service_account=given["service_account"],
         secret=given["secret"],
-        env={"STREAMCTL_DEBUG": "1"} if output.settings.debug else {},
+        env={},
         parallelism=given["parallelism"],
         revision=given["revision"],
         endpoint=given["endpoint_url"],
