@@ -254,3 +254,13 @@ def installed_vllm_version() -> str:
     code = "import importlib.metadata as m; print(m.version('vllm'))"
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     return done.stdout.strip()
+
+
+def tokenizer_choices(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """vLLM's own tokenizer choice for each folder, in ONE oracle process (tests/vllm_oracle/tokenizer_mode.py):
+    {"folder", "auto_mode" ("mistral" or "hf"), "mistral_file" (what --tokenizer-mode mistral loads, or None)}."""
+    verdict = _run("tokenizer_mode.py", [str(folder) for folder in folders], timeout)
+    if not verdict.get("ok"):
+        raise OracleError(f"tokenizer_mode.py: {verdict.get('error')}")
+    results: list[dict[str, Any]] = verdict["results"]
+    return results

@@ -40,9 +40,10 @@ from streamctl.checkpoint.files import (
     listing_notes,
     notes_to_json,
     read_config_references,
+    read_index_contents,
     select_files,
 )
-from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import (
     ChecksFailed,
@@ -278,17 +279,6 @@ def _read_json(location: Location, path: str, size: int) -> object:
     return decode_json_strictly(location.store.read_range(location.key(path), 0, size), what=path).value
 
 
-def _indexed_shards(source: Location, size: int) -> frozenset[str] | None:
-    """The shard files the index names; None when the index cannot be read as one (then every
-    safetensors file is selected, and verify-index says what is wrong with the index)."""
-    if size > MAX_INDEX_BYTES:
-        return None
-    try:
-        return frozenset(parse_index(INDEX_NAME, source.store.read_range(source.key(INDEX_NAME), 0, size)).files)
-    except InvalidIndex:
-        return None
-
-
 def _check_manifest(
     dest: Location,
     manifests: Mapping[str, dict[str, object] | None],
@@ -392,10 +382,11 @@ def plan_transfer(
 
     config = _read_json(source, CONFIG_NAME, listing[CONFIG_NAME].size) if CONFIG_NAME in listing else None
     has_auto_map = isinstance(config, dict) and bool(config.get("auto_map"))
-    indexed_shards: frozenset[str] | None = None
-    if INDEX_NAME in listing:
-        indexed_shards = _indexed_shards(source, listing[INDEX_NAME].size)
     sizes = {path: info.size for path, info in listing.items()}
+    index_contents = read_index_contents(source, sizes)
+    # None also when the index cannot be read as one: then every safetensors file is selected, and
+    # verify-index says what is wrong with the index.
+    indexed_shards = index_contents.get(INDEX_NAME)
     known = {CONFIG_NAME: config} if config is not None else {}
     referenced = {} if options.all_files else read_config_references(source, sizes, known)
     selections = select_files(
@@ -406,6 +397,7 @@ def plan_transfer(
         include=options.include,
         exclude=options.exclude,
         all_files=options.all_files,
+        index_contents=index_contents,
     )
     existing = list_dest(dest)
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})

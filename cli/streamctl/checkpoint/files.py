@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamctl.checkpoint.index import MAX_INDEX_BYTES, InvalidIndex, parse_index
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import NotFoundError
 
@@ -50,6 +51,10 @@ STANDALONE_TOKENIZER_FILES = (
     "vocab.txt",
     "tokenizer.tiktoken",
 )
+# The tokenizer files of Mistral's own format, as vLLM 0.33 looks for them (vllm/tokenizers/registry.py,
+# `resolve_tokenizer_args`: `tekken.json`, `tokenizer.model.v*`; mistral_common then takes tekken.json or the
+# highest `tokenizer.model.v3`, `.v7m1`, ...). Matched against the file name, as vLLM does.
+MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
 CONFIG_NAME = "config.json"
 MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
 MAX_CONFIG_BYTES = 10_000_000
@@ -104,7 +109,24 @@ class Selection:
 
 
 def is_tokenizer_file(name: str) -> bool:
-    return name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja"))
+    """Whether a top-level file name is one a tokenizer loader reads (HF, Mistral's own format, tiktoken)."""
+    return (
+        name in TOKENIZER_FILES
+        or name.endswith((".tiktoken", ".jinja"))
+        or any(fnmatch.fnmatchcase(name, pattern) for pattern in MISTRAL_TOKENIZER_PATTERNS)
+    )
+
+
+def has_tokenizer(top_level: Iterable[str]) -> bool:
+    """Whether these top-level names hold a tokenizer vLLM can load on its own: one of
+    STANDALONE_TOKENIZER_FILES, a Mistral-format file (`tokenizer.model.v3`, ...), a tiktoken file (read by
+    the repo's own tokenizer code, `qwen.tiktoken`), or `vocab.json` with `merges.txt`."""
+    names = set(top_level)
+    return (
+        any(name in STANDALONE_TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
+        or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in MISTRAL_TOKENIZER_PATTERNS)
+        or {"vocab.json", "merges.txt"} <= names
+    )
 
 
 def _module_path(reference: str, safe_only: bool) -> str | None:
@@ -182,6 +204,23 @@ def config_references(documents: Mapping[str, Any], paths: Iterable[str]) -> dic
     return references
 
 
+def read_index_contents(location: Location, sizes: Mapping[str, int]) -> dict[str, frozenset[str] | None]:
+    """The files each top-level weights index of a listing names (`sizes`: relative path -> bytes); None for
+    one that is too large or not an index (verify-index says why)."""
+    contents: dict[str, frozenset[str] | None] = {}
+    for path, size in sizes.items():
+        if weight_index_suffix(path) is None:
+            continue
+        contents[path] = None
+        if size > MAX_INDEX_BYTES:
+            continue
+        try:
+            contents[path] = frozenset(parse_index(path, location.store.read_range(location.key(path), 0, size)).files)
+        except (InvalidIndex, NotFoundError):
+            pass
+    return contents
+
+
 def read_config_references(
     location: Location, sizes: Mapping[str, int], known: Mapping[str, Any] | None = None
 ) -> dict[str, str]:
@@ -246,6 +285,39 @@ def _default_selection(
     return Selection(path, False, "not needed to serve")
 
 
+INDEX_SUFFIX = ".index.json"
+
+
+def weight_index_suffix(path: str) -> str | None:
+    """The weights suffix of a top-level index (`pytorch_model.bin.index.json` -> `.bin`,
+    `model.safetensors.index.json` -> `.safetensors`), None for any other file."""
+    if "/" in path or not path.endswith(INDEX_SUFFIX):
+        return None
+    suffix = posixpath.splitext(path[: -len(INDEX_SUFFIX)])[1].lower()
+    return suffix if suffix == ".safetensors" or suffix in OTHER_WEIGHT_FORMATS else None
+
+
+def _drop_dangling_indexes(
+    selections: list[Selection], index_contents: Mapping[str, frozenset[str] | None]
+) -> list[Selection]:
+    """An index travels only with the files it names: one whose files are all left out would send loaders
+    after files that are not there (`pytorch_model.bin.index.json` without its `.bin` shards). The files it
+    names are `index_contents[path]` when it could be read, else the top-level files of its weights suffix.
+    An index asked for by name (--include, --all-files) stays."""
+    selected = {selection.path for selection in selections if selection.selected}
+    kept = []
+    for selection in selections:
+        suffix = weight_index_suffix(selection.path)
+        if suffix is not None and selection.selected and selection.reason not in ("--include", "--all-files"):
+            named = index_contents.get(selection.path)
+            if named is None:
+                named = frozenset(p for p in (s.path for s in selections) if "/" not in p and p.endswith(suffix))
+            if not named & selected:
+                selection = Selection(selection.path, False, f"index of {suffix} files that are not copied")
+        kept.append(selection)
+    return kept
+
+
 def _matches(path: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
 
@@ -259,12 +331,15 @@ def select_files(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     all_files: bool = False,
+    index_contents: Mapping[str, frozenset[str] | None] | None = None,
 ) -> list[Selection]:
     """Classify every path: the default serving set, refined by --include/--exclude, or --all-files.
 
     `indexed_shards` is the set of shard names the (HF) index names, when there is one: other top-level
     safetensors are left out because vLLM loads every top-level safetensors it finds in a bucket.
     `referenced` (from `config_references`) selects what the model's configs point to, sub-folders included.
+    `index_contents`: the files each top-level index names (None: unreadable); an index whose files all stay
+    behind stays behind too (`_drop_dangling_indexes`).
     """
     selections = []
     for path in sorted(paths):
@@ -277,7 +352,7 @@ def select_files(
         if exclude and _matches(path, exclude):
             choice = Selection(path, False, "--exclude")
         selections.append(choice)
-    return selections
+    return _drop_dangling_indexes(selections, index_contents or {})
 
 
 def select_serving_files(

@@ -10,8 +10,8 @@ from streamctl.checkpoint.files import (
     CONFIG_NAME,
     MANIFEST_NAME,
     MISTRAL_PARAMS_NAME,
-    STANDALONE_TOKENIZER_FILES,
     auto_map_files,
+    has_tokenizer,
 )
 from streamctl.checkpoint.safetensors import decode_json_strictly, printable
 from streamctl.ownership import MAX_MANIFEST_BYTES
@@ -47,8 +47,7 @@ def check_serving_files(
             check_config(config_data, listing, findings)
     elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
-    has_bpe_pair = "vocab.json" in top and "merges.txt" in top
-    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not has_bpe_pair:
+    if not has_tokenizer(top):
         findings.warning(
             "tokenizer-missing",
             None,
