@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from cli_helpers import run_cli
 from oracle import requires_vllm_oracle, tokenizer_choices
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.errors import ChecksFailed
 from streamctl.storage import StorageOptions
 from streamctl.transfer import TransferOptions, TransferPlan, TransferRun, run_transfer
 
@@ -151,3 +153,122 @@ def test_shard_leaves_a_pickle_index_behind() -> None:
     paths = ["config.json", "tokenizer.json", "model.safetensors", "pytorch_model.bin.index.json",
              "pytorch_model-00001-of-00001.bin", "tf_model.h5.index.json", "special.index.json"]  # fmt: skip
     assert select_serving_files(paths, has_auto_map=False) == ["config.json", "special.index.json", "tokenizer.json"]
+
+
+def lora_adapter(base: str | None, *, tokenizer: bool) -> dict[str, bytes | str | dict[str, Any]]:
+    """Like a PEFT LoRA repo: adapter config and weights, the trainer's state, sometimes a tokenizer."""
+    config: dict[str, Any] = {"peft_type": "LORA", "r": 8, "target_modules": ["q_proj", "v_proj"]}
+    if base is not None:
+        config["base_model_name_or_path"] = base
+    files: dict[str, bytes | str | dict[str, Any]] = {
+        "adapter_config.json": config,
+        "adapter_model.safetensors": tensors("base_model.model.q_proj.lora_A.weight"),
+        "training_args.bin": b"pickle",
+        "README.md": "# adapter\n",
+    }
+    if tokenizer:
+        files |= {"tokenizer.json": {"version": "1.0"}, "tokenizer_config.json": {"eos_token": "</s>"}}
+    return files
+
+
+ADAPTERS = {
+    "lora-llama": lora_adapter("meta-llama/Llama-3.1-8B", tokenizer=False),
+    "lora-mistral-with-tokenizer": lora_adapter("mistralai/Mistral-7B-v0.3", tokenizer=True),
+    "lora-unnamed-base": lora_adapter(None, tokenizer=False),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ADAPTERS))
+def test_an_adapter_transfers_and_says_how_to_serve_it(tmp_path: Path, layout: str) -> None:
+    source = write_repo(tmp_path / "src", ADAPTERS[layout])
+    assert excluded(source, tmp_path / "dest")["training_args.bin"] == "trainer state (not needed to serve)"
+    run = transfer(source, tmp_path / "dest")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= copied(tmp_path / "dest")
+    assert run.verify is not None and run.verify.ok, run.verify
+    codes = {finding.code: finding for finding in run.verify.findings}
+    assert "config-missing" not in codes and "tokenizer-missing" not in codes
+    base = ADAPTERS[layout]["adapter_config.json"].get("base_model_name_or_path", "BASE_MODEL")  # type: ignore[union-attr]
+    assert f"vllm serve {base} --enable-lora --lora-modules dest={tmp_path / 'dest'}" in codes["lora-adapter"].message
+
+    served = run_cli("serve", str(tmp_path / "dest"), "--dry-run")
+    assert served.exit_code == 2, served.stderr
+    assert "is an adapter of" in served.stderr and "--enable-lora --lora-modules" in served.stderr
+    assert "Traceback" not in served.stderr
+
+
+def test_an_adapters_header_is_checked(tmp_path: Path) -> None:
+    files = lora_adapter("meta-llama/Llama-3.1-8B", tokenizer=False)
+    files["adapter_model.safetensors"] = tensors("a")[:-4]  # truncated
+    source = write_repo(tmp_path / "src", files)
+    with pytest.raises(ChecksFailed) as failed:
+        transfer(source, tmp_path / "dest")
+    run = failed.value.result
+    assert isinstance(run, TransferRun) and run.verify is not None
+    assert {finding.code for finding in run.verify.errors} == {"file-truncated"}
+
+
+QWEN_CONFIG = {
+    "architectures": ["QWenLMHeadModel"],
+    "model_type": "qwen",
+    "auto_map": {
+        "AutoConfig": "configuration_qwen.QWenConfig",
+        "AutoModelForCausalLM": "modeling_qwen.QWenLMHeadModel",
+    },
+}
+
+
+def custom_code_repo(tokenizer_file: str) -> dict[str, bytes | str | dict[str, Any]]:
+    """Like Qwen-7B: its own config, model and tokenizer classes, a tiktoken (or other) vocabulary."""
+    return {
+        "config.json": QWEN_CONFIG,
+        "configuration_qwen.py": "class QWenConfig: ...\n",
+        "modeling_qwen.py": "class QWenLMHeadModel: ...\n",
+        "tokenization_qwen.py": "class QWenTokenizer: ...\n",
+        "tokenizer_config.json": {"auto_map": {"AutoTokenizer": ["tokenization_qwen.QWenTokenizer", None]}},
+        tokenizer_file: b"IQ== 0\n",
+        "model.safetensors": tensors("transformer.wte.weight"),
+    }
+
+
+CUSTOM_CODE = {
+    "qwen-tiktoken": custom_code_repo("qwen.tiktoken"),
+    "own-vocabulary-file": custom_code_repo("vocab.bpe.bin"),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(CUSTOM_CODE))
+def test_custom_code_needs_trust_remote_code_asked_for(
+    tmp_path: Path, s3_root: str, storage_env: dict[str, str], layout: str
+) -> None:
+    source = write_repo(tmp_path / "src", CUSTOM_CODE[layout])
+    run = transfer(source, tmp_path / "dest")
+    assert {"configuration_qwen.py", "modeling_qwen.py", "tokenization_qwen.py"} <= copied(tmp_path / "dest")
+    assert run.verify is not None and run.verify.ok
+    assert "tokenizer-missing" not in {finding.code for finding in run.verify.findings}
+    assert run_cli("transfer", str(source), s3_root, env=storage_env).exit_code == 0
+
+    for where, extra in (
+        (str(tmp_path / "dest"), []),
+        (str(tmp_path / "dest"), ["--no-preflight"]),
+        (s3_root, ["--k8s"]),
+    ):
+        refused = run_cli("serve", where, "--dry-run", *extra, env=storage_env)
+        assert refused.exit_code == 2, (extra, refused.stderr)
+        assert "auto_map in config.json names configuration_qwen.QWenConfig" in refused.stderr
+        assert "-- --trust-remote-code" in refused.stderr and "Traceback" not in refused.stderr
+    accepted = run_cli("serve", str(tmp_path / "dest"), "--json", "--", "--trust-remote-code")
+    assert accepted.exit_code == 0, accepted.stderr
+    assert accepted.json()["argv"].count("--trust-remote-code") == 1
+    manifest = run_cli("serve", s3_root, "--k8s", "--", "--trust-remote-code", env=storage_env)
+    assert manifest.exit_code == 0, manifest.stderr
+    assert manifest.stdout.count("--trust-remote-code") == 1
+
+
+def test_trust_remote_code_is_never_added_for_a_plain_model(tmp_path: Path) -> None:
+    files = custom_code_repo("qwen.tiktoken")
+    files["config.json"] = HF_CONFIG
+    files["tokenizer_config.json"] = {"eos_token": "</s>"}
+    source = write_repo(tmp_path / "src", files)
+    served = run_cli("serve", str(source), "--json")
+    assert served.exit_code == 0, served.stderr
+    assert "--trust-remote-code" not in served.json()["argv"]

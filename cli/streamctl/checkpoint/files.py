@@ -154,6 +154,79 @@ def auto_map_files(document: Any, *, safe_only: bool = True) -> list[tuple[str, 
     return found
 
 
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # PEFT's: a LoRA (or other) adapter, served on its base model
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+TRUST_REMOTE_CODE = "--trust-remote-code"
+
+
+@dataclass(frozen=True)
+class RepoKind:
+    """What kind of repo a listing is, beyond its weights: a PEFT adapter, or a model that runs its own code.
+
+    `custom_code` says why vLLM needs --trust-remote-code: transformers refuses, without it, a config whose
+    `auto_map` names an `AutoConfig` or `AutoTokenizer` (the repo's own classes, as Qwen-7B's `QWenConfig`
+    and its tiktoken tokenizer)."""
+
+    adapter: bool = False
+    base_model: str | None = None  # adapter_config.json's `base_model_name_or_path`, when a string
+    custom_code: str | None = None  # "auto_map in config.json names configuration_qwen.QWenConfig", or None
+    custom_tokenizer: bool = False  # the tokenizer is the repo's own code, reading files of its own choosing
+
+    def adapter_hint(self, location: str) -> str:
+        """How vLLM serves the adapter at `location`: on its base model, with LoRA enabled."""
+        base = self.base_model or "BASE_MODEL"
+        name = posixpath.basename(location.rstrip("/")) or "adapter"
+        return f"serve the base model with it: vllm serve {base} --enable-lora --lora-modules {name}={location}"
+
+
+def _auto_map_entry(document: Any, key: str) -> str | None:
+    auto_map = document.get("auto_map") if isinstance(document, dict) else None
+    value = auto_map.get(key) if isinstance(auto_map, dict) else None
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str) and item:
+            return item
+    return None
+
+
+def repo_kind(documents: Mapping[str, Any]) -> RepoKind:
+    """The RepoKind of a repo from the parsed JSON of its ADAPTER_CONFIG_NAME, CONFIG_NAME and
+    TOKENIZER_CONFIG_NAME (those present and readable)."""
+    adapter = documents.get(ADAPTER_CONFIG_NAME)
+    base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    config_code = _auto_map_entry(documents.get(CONFIG_NAME), "AutoConfig")
+    tokenizer_code = _auto_map_entry(documents.get(TOKENIZER_CONFIG_NAME), "AutoTokenizer") or _auto_map_entry(
+        documents.get(CONFIG_NAME), "AutoTokenizer"
+    )
+    custom = None
+    if config_code is not None:
+        custom = f"auto_map in {CONFIG_NAME} names {config_code}"
+    elif tokenizer_code is not None:
+        custom = f"auto_map names the tokenizer {tokenizer_code}"
+    return RepoKind(
+        adapter=ADAPTER_CONFIG_NAME in documents,
+        base_model=base if isinstance(base, str) and base else None,
+        custom_code=custom,
+        custom_tokenizer=tokenizer_code is not None,
+    )
+
+
+def read_repo_kind(location: Location, sizes: Mapping[str, int]) -> RepoKind:
+    """`repo_kind` of a listing (`sizes`: relative path -> bytes), reading its small configs from `location`.
+    A config that is not JSON tells nothing (verify-index says what is wrong with it)."""
+    documents: dict[str, Any] = {}
+    for name in (ADAPTER_CONFIG_NAME, CONFIG_NAME, TOKENIZER_CONFIG_NAME):
+        size = sizes.get(name)
+        if size is None or size > MAX_CONFIG_BYTES:
+            continue
+        try:
+            data = location.store.read_range(location.key(name), 0, size)
+        except NotFoundError:
+            continue
+        document = decode_json_strictly(data, what=name)
+        documents[name] = document.value if document.error is None else None
+    return repo_kind(documents)
+
+
 def _strings(value: Any, depth: int = 0) -> Iterable[str]:
     if depth > _MAX_REFERENCE_DEPTH:
         return
@@ -258,8 +331,11 @@ def _default_selection(
         return Selection(path, False, "git metadata")
     if name == MANIFEST_NAME:
         return Selection(path, False, "streamctl writes its own manifest")
-    if suffix in OTHER_WEIGHT_FORMATS:
-        return Selection(path, False, OTHER_WEIGHT_FORMATS[suffix])
+    weights_format = other_weight_format(name)
+    if weights_format is not None:
+        return Selection(path, False, weights_format)
+    if suffix in OTHER_WEIGHT_FORMATS:  # other_weight_format says a trainer's saved state is not weights
+        return Selection(path, False, "trainer state (not needed to serve)")
     if "/" in path:
         return Selection(path, False, "sub-folder (vLLM would pull it at start-up)")
     if name.endswith(".safetensors"):
