@@ -272,3 +272,57 @@ def test_trust_remote_code_is_never_added_for_a_plain_model(tmp_path: Path) -> N
     served = run_cli("serve", str(source), "--json")
     assert served.exit_code == 0, served.stderr
     assert "--trust-remote-code" not in served.json()["argv"]
+
+
+WEIGHTS_ELSEWHERE = {
+    "gguf-only": (
+        {"README.md": "# q\n", "model-Q4_K_M.gguf": b"GGUF", "model-Q8_0.gguf": b"GGUF"},
+        "GGUF export (model-Q4_K_M.gguf, model-Q8_0.gguf)",
+        "--include '*.gguf'",
+    ),
+    "gguf-with-config": (
+        {"config.json": HF_CONFIG, "tokenizer.json": {"version": "1.0"}, "model.Q4_0.gguf": b"GGUF"},
+        "GGUF export (model.Q4_0.gguf)",
+        "--include '*.gguf'",
+    ),
+    "pickle-only": (
+        {"config.json": HF_CONFIG, "pytorch_model.bin": b"pickle"},
+        "PyTorch pickle weights (pytorch_model.bin)",
+        "--include '*.bin'",
+    ),
+    "subfolders-only": (
+        {"model_index.json": {"_class_name": "Pipeline"}, "unet/diffusion_pytorch_model.safetensors": tensors("a"),
+         "text_encoder/model.safetensors": tensors("b"), "text_encoder/config.json": HF_CONFIG},
+        "*.safetensors in sub-folders text_encoder/, unet/",
+        "transfer hf://org/{layout}/text_encoder DEST",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(WEIGHTS_ELSEWHERE))
+def test_no_weights_selected_names_where_they_are(fake_hub: Any, tmp_path: Path, layout: str) -> None:
+    files, where, command = WEIGHTS_ELSEWHERE[layout]
+    repo = write_repo(tmp_path / "repo", files)
+    fake_hub.add_repo(
+        f"org/{layout}", {str(path.relative_to(repo)): path.read_bytes() for path in repo.rglob("*") if path.is_file()}
+    )
+    result = run_cli("transfer", f"hf://org/{layout}", str(tmp_path / "dest"))
+    assert result.exit_code == 2, result.stderr
+    assert where in result.stderr and command.format(layout=layout) in result.stderr, result.stderr
+    assert not (tmp_path / "dest").exists() or not any((tmp_path / "dest").iterdir())
+
+
+@pytest.mark.parametrize("suffix", [".gguf", ".bin"])
+def test_transfer_verify_index_and_serve_agree_on_a_copy_without_safetensors(tmp_path: Path, suffix: str) -> None:
+    source = write_repo(tmp_path / "src", {"config.json": HF_CONFIG, f"model{suffix}": b"weights"})
+    dest = str(tmp_path / "dest")
+    copied_run = run_cli("transfer", str(source), dest, "--include", f"*{suffix}")
+    assert (tmp_path / "dest" / f"model{suffix}").exists()
+    verified = run_cli("verify-index", dest)
+    served = run_cli("serve", dest, "--dry-run")
+    for result in (copied_run, verified, served):
+        assert result.exit_code == 3, result.stderr
+        assert f"no .safetensors files directly under {dest}" in result.stderr
+        assert f"(model{suffix})" in result.stderr and "Traceback" not in result.stderr
+    assert "--no-verify" in copied_run.stderr
+    assert run_cli("transfer", str(source), dest + "-2", "--include", f"*{suffix}", "--no-verify").exit_code == 0

@@ -82,6 +82,55 @@ def other_weight_format(name: str) -> str | None:
     return next((what for suffix, what in OTHER_WEIGHT_FORMATS.items() if base.endswith(suffix)), None)
 
 
+@dataclass(frozen=True)
+class WeightsElsewhere:
+    """Where the weights of a listing without top-level safetensors are: safetensors in sub-folders (a repo
+    of several variants, a diffusers pipeline), or files of another format at the top (GGUF, pickle)."""
+
+    folders: tuple[str, ...]  # sub-folders holding .safetensors, outermost first
+    other: tuple[tuple[str, tuple[str, ...]], ...]  # (suffix, top-level files) per other weights format
+
+    def describe(self, shown: int = 3) -> str:
+        parts = []
+        if self.folders:
+            parts.append(f"*.safetensors in sub-folder{'s' if len(self.folders) > 1 else ''} "
+                         + ", ".join(f"{folder}/" for folder in self.folders[:shown])
+                         + (f" and {len(self.folders) - shown} more" if len(self.folders) > shown else ""))  # fmt: skip
+        for suffix, files in self.other:
+            what = OTHER_WEIGHT_FORMATS[suffix].split(" (")[0]
+            more = f" and {len(files) - shown} more" if len(files) > shown else ""
+            parts.append(f"{what} ({', '.join(files[:shown])}{more})")
+        return "; ".join(parts)
+
+    def transfer_hint(self, source_url: str) -> str:
+        """The commands that copy them: the sub-folder as SOURCE, or --include for the format."""
+        commands = [f"transfer {source_url.rstrip('/')}/{folder} DEST" for folder in self.folders[:1]]
+        commands += [f"--include '*{suffix}'" for suffix, _ in self.other]
+        return "to copy them: " + ", or ".join(commands)
+
+
+def weights_file(path: str) -> bool:
+    """A top-level weights file of any format: what makes a copy a checkpoint to check."""
+    return "/" not in path and (path.endswith(".safetensors") or other_weight_format(path) is not None)
+
+
+def weights_elsewhere(paths: Iterable[str]) -> WeightsElsewhere | None:
+    """WeightsElsewhere for a listing (relative paths) without top-level `.safetensors`; None when it has some,
+    or no weights at all."""
+    names = sorted(paths)
+    if any("/" not in name and name.endswith(".safetensors") for name in names):
+        return None
+    folders = sorted({name.rpartition("/")[0] for name in names if "/" in name and name.endswith(".safetensors")},
+                     key=lambda folder: (folder.count("/"), folder))  # fmt: skip
+    other: dict[str, list[str]] = {}
+    for name in names:
+        if "/" not in name and other_weight_format(name) is not None:
+            other.setdefault(posixpath.splitext(name)[1].lower(), []).append(name)
+    if not folders and not other:
+        return None
+    return WeightsElsewhere(tuple(folders), tuple((suffix, tuple(files)) for suffix, files in sorted(other.items())))
+
+
 # Configs whose contents name other files the model needs: sentence-transformers modules, custom code
 # (`auto_map`, also for tokenizers and processors), tokenizer side files. Read before choosing files.
 REFERENCING_CONFIGS = (
