@@ -264,3 +264,12 @@ def tokenizer_choices(folders: Sequence[str | Path], timeout: float = DEFAULT_TI
         raise OracleError(f"tokenizer_mode.py: {verdict.get('error')}")
     results: list[dict[str, Any]] = verdict["results"]
     return results
+
+
+def model_configs(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Whether vLLM builds each folder's config without --trust-remote-code, in ONE oracle process
+    (tests/vllm_oracle/model_config.py): {"results": [{"folder", "loads", "error"}], "known_model_types"}."""
+    verdict = _run("model_config.py", [str(folder) for folder in folders], timeout)
+    if not verdict.get("ok"):
+        raise OracleError(f"model_config.py: {verdict.get('error')}")
+    return verdict

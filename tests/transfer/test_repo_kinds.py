@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import run_cli
-from oracle import requires_vllm_oracle, tokenizer_choices
+from oracle import model_configs, requires_vllm_oracle, tokenizer_choices
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.errors import ChecksFailed
 from streamctl.storage import StorageOptions
@@ -326,3 +326,38 @@ def test_transfer_verify_index_and_serve_agree_on_a_copy_without_safetensors(tmp
         assert f"(model{suffix})" in result.stderr and "Traceback" not in result.stderr
     assert "--no-verify" in copied_run.stderr
     assert run_cli("transfer", str(source), dest + "-2", "--include", f"*{suffix}", "--no-verify").exit_code == 0
+
+
+CONFIGS_WITH_CODE = {
+    "qwen-unknown-type": (QWEN_CONFIG, "configuration_qwen.py"),
+    "made-up-type": ({"model_type": "acme_lm", "auto_map": {"AutoConfig": "conf.AcmeConfig"}}, "conf.py"),
+    "known-type-with-auto-map": (
+        {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3",
+         "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config"}},
+        "configuration_phi3.py",
+    ),
+    "known-type-via-vllm": (
+        {"model_type": "chatglm", "auto_map": {"AutoConfig": "configuration_chatglm.ChatGLMConfig"}},
+        "configuration_chatglm.py",
+    ),
+    "plain": (HF_CONFIG, "unused.py"),
+}  # fmt: skip
+
+
+@requires_vllm_oracle
+def test_trust_remote_code_is_asked_for_exactly_where_vllm_needs_it(tmp_path: Path) -> None:
+    """streamctl's rule against vLLM's own config loading (get_config, trust_remote_code=False) on each
+    layout, and its list of known model types against the installed vLLM and transformers."""
+    from streamctl.checkpoint.files import repo_kind
+    from streamctl.checkpoint.model_types import KNOWN_MODEL_TYPES
+
+    folders = []
+    for layout, (config, code_file) in sorted(CONFIGS_WITH_CODE.items()):
+        folders.append(write_repo(tmp_path / layout, {"config.json": config, code_file: "class C: ...\n"}))
+    verdict = model_configs(folders)
+    assert set(verdict["known_model_types"]) == KNOWN_MODEL_TYPES
+    for (layout, (config, _)), result in zip(sorted(CONFIGS_WITH_CODE.items()), verdict["results"], strict=True):
+        needs_trust = repo_kind({"config.json": config}).custom_code is not None
+        assert needs_trust is not result["loads"], (layout, result)
+        if needs_trust:
+            assert "trust_remote_code" in result["error"] or "custom code" in result["error"], result

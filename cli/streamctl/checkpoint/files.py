@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from streamctl.checkpoint.index import MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.model_types import KNOWN_MODEL_TYPES
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import NotFoundError
 
@@ -212,9 +213,9 @@ TRUST_REMOTE_CODE = "--trust-remote-code"
 class RepoKind:
     """What kind of repo a listing is, beyond its weights: a PEFT adapter, or a model that runs its own code.
 
-    `custom_code` says why vLLM needs --trust-remote-code: transformers refuses, without it, a config whose
-    `auto_map` names an `AutoConfig` or `AutoTokenizer` (the repo's own classes, as Qwen-7B's `QWenConfig`
-    and its tiktoken tokenizer)."""
+    `custom_code` says why vLLM needs --trust-remote-code: without it, vLLM refuses a config whose `auto_map`
+    names an `AutoConfig` for a `model_type` neither it nor transformers knows (KNOWN_MODEL_TYPES; Qwen-7B's
+    `QWenConfig`), and transformers a tokenizer that is the repo's own class (`AutoTokenizer` in an auto_map)."""
 
     adapter: bool = False
     base_model: str | None = None  # adapter_config.json's `base_model_name_or_path`, when a string
@@ -242,13 +243,16 @@ def repo_kind(documents: Mapping[str, Any]) -> RepoKind:
     TOKENIZER_CONFIG_NAME (those present and readable)."""
     adapter = documents.get(ADAPTER_CONFIG_NAME)
     base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
-    config_code = _auto_map_entry(documents.get(CONFIG_NAME), "AutoConfig")
+    config = documents.get(CONFIG_NAME)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    # vLLM builds the config of a model_type it or transformers knows with their own class, auto_map or not.
+    config_code = None if model_type in KNOWN_MODEL_TYPES else _auto_map_entry(config, "AutoConfig")
     tokenizer_code = _auto_map_entry(documents.get(TOKENIZER_CONFIG_NAME), "AutoTokenizer") or _auto_map_entry(
         documents.get(CONFIG_NAME), "AutoTokenizer"
     )
     custom = None
     if config_code is not None:
-        custom = f"auto_map in {CONFIG_NAME} names {config_code}"
+        custom = f"auto_map in {CONFIG_NAME} names {config_code}, for a model_type vLLM does not know: {model_type!r}"
     elif tokenizer_code is not None:
         custom = f"auto_map names the tokenizer {tokenizer_code}"
     return RepoKind(
