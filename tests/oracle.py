@@ -260,3 +260,22 @@ def installed_vllm_version() -> str:
     code = "import importlib.metadata as m; print(m.version('vllm'))"
     done = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     return done.stdout.strip()
+
+
+def tokenizer_choices(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+    """vLLM's own tokenizer choice for each folder, in ONE oracle process (tests/vllm_oracle/tokenizer_mode.py):
+    {"folder", "auto_mode" ("mistral" or "hf"), "mistral_file" (what --tokenizer-mode mistral loads, or None)}."""
+    verdict = _run("tokenizer_mode.py", [str(folder) for folder in folders], timeout)
+    if not verdict.get("ok"):
+        raise OracleError(f"tokenizer_mode.py: {verdict.get('error')}")
+    results: list[dict[str, Any]] = verdict["results"]
+    return results
+
+
+def model_configs(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    """Whether vLLM builds each folder's config without --trust-remote-code, in ONE oracle process
+    (tests/vllm_oracle/model_config.py): {"results": [{"folder", "loads", "error"}], "known_model_types"}."""
+    verdict = _run("model_config.py", [str(folder) for folder in folders], timeout)
+    if not verdict.get("ok"):
+        raise OracleError(f"model_config.py: {verdict.get('error')}")
+    return verdict

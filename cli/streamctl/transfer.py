@@ -40,9 +40,12 @@ from streamctl.checkpoint.files import (
     listing_notes,
     notes_to_json,
     read_config_references,
+    read_index_contents,
     select_files,
+    weights_elsewhere,
+    weights_file,
 )
-from streamctl.checkpoint.index import INDEX_NAME, MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import (
     ChecksFailed,
@@ -282,17 +285,6 @@ def _read_json(location: Location, path: str, size: int) -> object:
     return decode_json_strictly(location.store.read_range(location.key(path), 0, size), what=path).value
 
 
-def _indexed_shards(source: Location, size: int) -> frozenset[str] | None:
-    """The shard files the index names; None when the index cannot be read as one (then every
-    safetensors file is selected, and verify-index says what is wrong with the index)."""
-    if size > MAX_INDEX_BYTES:
-        return None
-    try:
-        return frozenset(parse_index(INDEX_NAME, source.store.read_range(source.key(INDEX_NAME), 0, size)).files)
-    except InvalidIndex:
-        return None
-
-
 def _check_manifest(
     dest: Location,
     manifests: Mapping[str, dict[str, object] | None],
@@ -375,6 +367,21 @@ def _check_part_limits(dest: Location, files: Sequence[FilePlan], options: Trans
             part_size_for(file.size, options.part_size, dest.store)
 
 
+def _refuse_leaving_the_weights(
+    source: Location, listing: Mapping[str, object], files: Sequence[FilePlan], options: TransferOptions
+) -> None:
+    """UsageError (exit 2) when the default file set holds no weights but SOURCE has some where vLLM does not
+    look (GGUF or pickle files, safetensors in sub-folders): name them, and the command that copies them."""
+    if options.include or options.all_files or any(weights_file(file.path) for file in files):
+        return
+    elsewhere = weights_elsewhere(listing)
+    if elsewhere is not None:
+        raise UsageError(
+            f"no weights selected from {source.url}: it holds {elsewhere.describe()}",
+            hint=elsewhere.transfer_hint(source.url),
+        )
+
+
 def plan_transfer(
     source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
 ) -> TransferPlan:
@@ -403,10 +410,11 @@ def plan_transfer(
 
     config = _read_json(source, CONFIG_NAME, listing[CONFIG_NAME].size) if CONFIG_NAME in listing else None
     has_auto_map = isinstance(config, dict) and bool(config.get("auto_map"))
-    indexed_shards: frozenset[str] | None = None
-    if INDEX_NAME in listing:
-        indexed_shards = _indexed_shards(source, listing[INDEX_NAME].size)
     sizes = {path: info.size for path, info in listing.items()}
+    index_contents = read_index_contents(source, sizes)
+    # None also when the index cannot be read as one: then every safetensors file is selected, and
+    # verify-index says what is wrong with the index.
+    indexed_shards = index_contents.get(INDEX_NAME)
     known = {CONFIG_NAME: config} if config is not None else {}
     referenced = {} if options.all_files else read_config_references(source, sizes, known)
     selections = select_files(
@@ -417,6 +425,7 @@ def plan_transfer(
         include=options.include,
         exclude=options.exclude,
         all_files=options.all_files,
+        index_contents=index_contents,
     )
     existing = list_dest(dest)
     manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
@@ -439,6 +448,7 @@ def plan_transfer(
             listing[selection.path].etag,
         )
         files.append(_decide(candidate, existing.get(selection.path), source, dest, options))
+    _refuse_leaving_the_weights(source, listing, files, options)
     if not files:
         raise UsageError(f"no files selected from {source.url}", hint="check --include/--exclude, or use --all-files")
     _check_part_limits(dest, files, options)
@@ -944,7 +954,7 @@ def run_transfer(
     on_plan: Callable[[TransferPlan], None] = lambda plan: None,
 ) -> TransferPlan | TransferRun:
     """The whole transfer: open both sides, plan (the plan is the answer with `dry_run`; else `on_plan` sees it
-    before anything is written), copy, then verify-index DEST when safetensors were among the files, as
+    before anything is written), copy, then verify-index DEST when weights (of any format) were among the files, as
     shard checks what it wrote. A check that fails raises ChecksFailed carrying the run (exit 1)."""
     from streamctl.memory import return_large_buffers_to_the_os
     from streamctl.storage import open_destination, open_location
@@ -963,8 +973,12 @@ def run_transfer(
     report = None
     whole = result.share is None or result.share.complete  # a worker's share alone is not a checkpoint
     planned = plan.share.planned if plan.share else tuple(file.path for file in plan.files)
-    if verify and whole and any(path.endswith(".safetensors") for path in planned):
-        report = verify_checkpoint(dest)
+    if verify and whole and any(weights_file(path) for path in planned):
+        try:
+            report = verify_checkpoint(dest)  # verify-index's rule, as `serve` applies it: GGUF alone is none
+        except NotFoundError as error:
+            error.hint = f"{error.hint or ''} (the copy is complete; --no-verify skips this check)".lstrip()
+            raise
     run = TransferRun(result, report)
     if report is not None and not report.ok:
         raise ChecksFailed(run, report)

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamctl.checkpoint.index import MAX_INDEX_BYTES, InvalidIndex, parse_index
+from streamctl.checkpoint.model_types import KNOWN_MODEL_TYPES
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.errors import NotFoundError
 
@@ -50,6 +52,10 @@ STANDALONE_TOKENIZER_FILES = (
     "vocab.txt",
     "tokenizer.tiktoken",
 )
+# The tokenizer files of Mistral's own format, as vLLM 0.33 looks for them (vllm/tokenizers/registry.py,
+# `resolve_tokenizer_args`: `tekken.json`, `tokenizer.model.v*`; mistral_common then takes tekken.json or the
+# highest `tokenizer.model.v3`, `.v7m1`, ...). Matched against the file name, as vLLM does.
+MISTRAL_TOKENIZER_PATTERNS = ("tekken.json", "tokenizer.model.v*")
 CONFIG_NAME = "config.json"
 MISTRAL_PARAMS_NAME = "params.json"  # Mistral-format config next to consolidated*.safetensors
 MAX_CONFIG_BYTES = 10_000_000
@@ -75,6 +81,55 @@ def other_weight_format(name: str) -> str | None:
     if base.startswith(TRAINER_STATE_PREFIXES):
         return None
     return next((what for suffix, what in OTHER_WEIGHT_FORMATS.items() if base.endswith(suffix)), None)
+
+
+@dataclass(frozen=True)
+class WeightsElsewhere:
+    """Where the weights of a listing without top-level safetensors are: safetensors in sub-folders (a repo
+    of several variants, a diffusers pipeline), or files of another format at the top (GGUF, pickle)."""
+
+    folders: tuple[str, ...]  # sub-folders holding .safetensors, outermost first
+    other: tuple[tuple[str, tuple[str, ...]], ...]  # (suffix, top-level files) per other weights format
+
+    def describe(self, shown: int = 3) -> str:
+        parts = []
+        if self.folders:
+            parts.append(f"*.safetensors in sub-folder{'s' if len(self.folders) > 1 else ''} "
+                         + ", ".join(f"{folder}/" for folder in self.folders[:shown])
+                         + (f" and {len(self.folders) - shown} more" if len(self.folders) > shown else ""))  # fmt: skip
+        for suffix, files in self.other:
+            what = OTHER_WEIGHT_FORMATS[suffix].split(" (")[0]
+            more = f" and {len(files) - shown} more" if len(files) > shown else ""
+            parts.append(f"{what} ({', '.join(files[:shown])}{more})")
+        return "; ".join(parts)
+
+    def transfer_hint(self, source_url: str) -> str:
+        """The commands that copy them: the sub-folder as SOURCE, or --include for the format."""
+        commands = [f"transfer {source_url.rstrip('/')}/{folder} DEST" for folder in self.folders[:1]]
+        commands += [f"--include '*{suffix}'" for suffix, _ in self.other]
+        return "to copy them: " + ", or ".join(commands)
+
+
+def weights_file(path: str) -> bool:
+    """A top-level weights file of any format: what makes a copy a checkpoint to check."""
+    return "/" not in path and (path.endswith(".safetensors") or other_weight_format(path) is not None)
+
+
+def weights_elsewhere(paths: Iterable[str]) -> WeightsElsewhere | None:
+    """WeightsElsewhere for a listing (relative paths) without top-level `.safetensors`; None when it has some,
+    or no weights at all."""
+    names = sorted(paths)
+    if any("/" not in name and name.endswith(".safetensors") for name in names):
+        return None
+    folders = sorted({name.rpartition("/")[0] for name in names if "/" in name and name.endswith(".safetensors")},
+                     key=lambda folder: (folder.count("/"), folder))  # fmt: skip
+    other: dict[str, list[str]] = {}
+    for name in names:
+        if "/" not in name and other_weight_format(name) is not None:
+            other.setdefault(posixpath.splitext(name)[1].lower(), []).append(name)
+    if not folders and not other:
+        return None
+    return WeightsElsewhere(tuple(folders), tuple((suffix, tuple(files)) for suffix, files in sorted(other.items())))
 
 
 # Configs whose contents name other files the model needs: sentence-transformers modules, custom code
@@ -104,7 +159,24 @@ class Selection:
 
 
 def is_tokenizer_file(name: str) -> bool:
-    return name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja"))
+    """Whether a top-level file name is one a tokenizer loader reads (HF, Mistral's own format, tiktoken)."""
+    return (
+        name in TOKENIZER_FILES
+        or name.endswith((".tiktoken", ".jinja"))
+        or any(fnmatch.fnmatchcase(name, pattern) for pattern in MISTRAL_TOKENIZER_PATTERNS)
+    )
+
+
+def has_tokenizer(top_level: Iterable[str]) -> bool:
+    """Whether these top-level names hold a tokenizer vLLM can load on its own: one of
+    STANDALONE_TOKENIZER_FILES, a Mistral-format file (`tokenizer.model.v3`, ...), a tiktoken file (read by
+    the repo's own tokenizer code, `qwen.tiktoken`), or `vocab.json` with `merges.txt`."""
+    names = set(top_level)
+    return (
+        any(name in STANDALONE_TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
+        or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in MISTRAL_TOKENIZER_PATTERNS)
+        or {"vocab.json", "merges.txt"} <= names
+    )
 
 
 def _module_path(reference: str, safe_only: bool) -> str | None:
@@ -130,6 +202,82 @@ def auto_map_files(document: Any, *, safe_only: bool = True) -> list[tuple[str, 
             if path is not None:
                 found.append((path, item))
     return found
+
+
+ADAPTER_CONFIG_NAME = "adapter_config.json"  # PEFT's: a LoRA (or other) adapter, served on its base model
+TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
+TRUST_REMOTE_CODE = "--trust-remote-code"
+
+
+@dataclass(frozen=True)
+class RepoKind:
+    """What kind of repo a listing is, beyond its weights: a PEFT adapter, or a model that runs its own code.
+
+    `custom_code` says why vLLM needs --trust-remote-code: without it, vLLM refuses a config whose `auto_map`
+    names an `AutoConfig` for a `model_type` neither it nor transformers knows (KNOWN_MODEL_TYPES; Qwen-7B's
+    `QWenConfig`), and transformers a tokenizer that is the repo's own class (`AutoTokenizer` in an auto_map)."""
+
+    adapter: bool = False
+    base_model: str | None = None  # adapter_config.json's `base_model_name_or_path`, when a string
+    custom_code: str | None = None  # "auto_map in config.json names configuration_qwen.QWenConfig", or None
+    custom_tokenizer: bool = False  # the tokenizer is the repo's own code, reading files of its own choosing
+
+    def adapter_hint(self, location: str) -> str:
+        """How vLLM serves the adapter at `location`: on its base model, with LoRA enabled."""
+        base = self.base_model or "BASE_MODEL"
+        name = posixpath.basename(location.rstrip("/")) or "adapter"
+        return f"serve the base model with it: vllm serve {base} --enable-lora --lora-modules {name}={location}"
+
+
+def _auto_map_entry(document: Any, key: str) -> str | None:
+    auto_map = document.get("auto_map") if isinstance(document, dict) else None
+    value = auto_map.get(key) if isinstance(auto_map, dict) else None
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str) and item:
+            return item
+    return None
+
+
+def repo_kind(documents: Mapping[str, Any]) -> RepoKind:
+    """The RepoKind of a repo from the parsed JSON of its ADAPTER_CONFIG_NAME, CONFIG_NAME and
+    TOKENIZER_CONFIG_NAME (those present and readable)."""
+    adapter = documents.get(ADAPTER_CONFIG_NAME)
+    base = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    config = documents.get(CONFIG_NAME)
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    # vLLM builds the config of a model_type it or transformers knows with their own class, auto_map or not.
+    config_code = None if model_type in KNOWN_MODEL_TYPES else _auto_map_entry(config, "AutoConfig")
+    tokenizer_code = _auto_map_entry(documents.get(TOKENIZER_CONFIG_NAME), "AutoTokenizer") or _auto_map_entry(
+        documents.get(CONFIG_NAME), "AutoTokenizer"
+    )
+    custom = None
+    if config_code is not None:
+        custom = f"auto_map in {CONFIG_NAME} names {config_code}, for a model_type vLLM does not know: {model_type!r}"
+    elif tokenizer_code is not None:
+        custom = f"auto_map names the tokenizer {tokenizer_code}"
+    return RepoKind(
+        adapter=ADAPTER_CONFIG_NAME in documents,
+        base_model=base if isinstance(base, str) and base else None,
+        custom_code=custom,
+        custom_tokenizer=tokenizer_code is not None,
+    )
+
+
+def read_repo_kind(location: Location, sizes: Mapping[str, int]) -> RepoKind:
+    """`repo_kind` of a listing (`sizes`: relative path -> bytes), reading its small configs from `location`.
+    A config that is not JSON tells nothing (verify-index says what is wrong with it)."""
+    documents: dict[str, Any] = {}
+    for name in (ADAPTER_CONFIG_NAME, CONFIG_NAME, TOKENIZER_CONFIG_NAME):
+        size = sizes.get(name)
+        if size is None or size > MAX_CONFIG_BYTES:
+            continue
+        try:
+            data = location.store.read_range(location.key(name), 0, size)
+        except NotFoundError:
+            continue
+        document = decode_json_strictly(data, what=name)
+        documents[name] = document.value if document.error is None else None
+    return repo_kind(documents)
 
 
 def _strings(value: Any, depth: int = 0) -> Iterable[str]:
@@ -182,6 +330,23 @@ def config_references(documents: Mapping[str, Any], paths: Iterable[str]) -> dic
     return references
 
 
+def read_index_contents(location: Location, sizes: Mapping[str, int]) -> dict[str, frozenset[str] | None]:
+    """The files each top-level weights index of a listing names (`sizes`: relative path -> bytes); None for
+    one that is too large or not an index (verify-index says why)."""
+    contents: dict[str, frozenset[str] | None] = {}
+    for path, size in sizes.items():
+        if weight_index_suffix(path) is None:
+            continue
+        contents[path] = None
+        if size > MAX_INDEX_BYTES:
+            continue
+        try:
+            contents[path] = frozenset(parse_index(path, location.store.read_range(location.key(path), 0, size)).files)
+        except (InvalidIndex, NotFoundError):
+            pass
+    return contents
+
+
 def read_config_references(
     location: Location, sizes: Mapping[str, int], known: Mapping[str, Any] | None = None
 ) -> dict[str, str]:
@@ -219,8 +384,11 @@ def _default_selection(
         return Selection(path, False, "git metadata")
     if name == MANIFEST_NAME:
         return Selection(path, False, "streamctl writes its own manifest")
-    if suffix in OTHER_WEIGHT_FORMATS:
-        return Selection(path, False, OTHER_WEIGHT_FORMATS[suffix])
+    weights_format = other_weight_format(name)
+    if weights_format is not None:
+        return Selection(path, False, weights_format)
+    if suffix in OTHER_WEIGHT_FORMATS:  # other_weight_format says a trainer's saved state is not weights
+        return Selection(path, False, "trainer state (not needed to serve)")
     if "/" in path:
         return Selection(path, False, "sub-folder (vLLM would pull it at start-up)")
     if name.endswith(".safetensors"):
@@ -246,6 +414,39 @@ def _default_selection(
     return Selection(path, False, "not needed to serve")
 
 
+INDEX_SUFFIX = ".index.json"
+
+
+def weight_index_suffix(path: str) -> str | None:
+    """The weights suffix of a top-level index (`pytorch_model.bin.index.json` -> `.bin`,
+    `model.safetensors.index.json` -> `.safetensors`), None for any other file."""
+    if "/" in path or not path.endswith(INDEX_SUFFIX):
+        return None
+    suffix = posixpath.splitext(path[: -len(INDEX_SUFFIX)])[1].lower()
+    return suffix if suffix == ".safetensors" or suffix in OTHER_WEIGHT_FORMATS else None
+
+
+def _drop_dangling_indexes(
+    selections: list[Selection], index_contents: Mapping[str, frozenset[str] | None]
+) -> list[Selection]:
+    """An index travels only with the files it names: one whose files are all left out would send loaders
+    after files that are not there (`pytorch_model.bin.index.json` without its `.bin` shards). The files it
+    names are `index_contents[path]` when it could be read, else the top-level files of its weights suffix.
+    An index asked for by name (--include, --all-files) stays."""
+    selected = {selection.path for selection in selections if selection.selected}
+    kept = []
+    for selection in selections:
+        suffix = weight_index_suffix(selection.path)
+        if suffix is not None and selection.selected and selection.reason not in ("--include", "--all-files"):
+            named = index_contents.get(selection.path)
+            if named is None:
+                named = frozenset(p for p in (s.path for s in selections) if "/" not in p and p.endswith(suffix))
+            if not named & selected:
+                selection = Selection(selection.path, False, f"index of {suffix} files that are not copied")
+        kept.append(selection)
+    return kept
+
+
 def _matches(path: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) for pattern in patterns)
 
@@ -259,12 +460,15 @@ def select_files(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     all_files: bool = False,
+    index_contents: Mapping[str, frozenset[str] | None] | None = None,
 ) -> list[Selection]:
     """Classify every path: the default serving set, refined by --include/--exclude, or --all-files.
 
     `indexed_shards` is the set of shard names the (HF) index names, when there is one: other top-level
     safetensors are left out because vLLM loads every top-level safetensors it finds in a bucket.
     `referenced` (from `config_references`) selects what the model's configs point to, sub-folders included.
+    `index_contents`: the files each top-level index names (None: unreadable); an index whose files all stay
+    behind stays behind too (`_drop_dangling_indexes`).
     """
     selections = []
     for path in sorted(paths):
@@ -277,7 +481,7 @@ def select_files(
         if exclude and _matches(path, exclude):
             choice = Selection(path, False, "--exclude")
         selections.append(choice)
-    return selections
+    return _drop_dangling_indexes(selections, index_contents or {})
 
 
 def select_serving_files(

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from streamctl.errors import PreflightFailed, StreamctlError
+from streamctl.checkpoint.files import TRUST_REMOTE_CODE, read_repo_kind
+from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
+from streamctl.serve.vllm_args import takes
 from streamctl.storage.base import Location
 from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, VerifyOptions
 from streamctl.verify.run import detect_layout, verify_checkpoint
@@ -24,9 +26,15 @@ class Preflight:
 
 
 def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
-    """The pre-flight when `options.preflight`, else the layout alone. PreflightFailed (exit 1) on errors."""
+    """The pre-flight when `options.preflight`, else the layout alone. PreflightFailed (exit 1) on errors;
+    UsageError (exit 2) for what vLLM cannot serve as asked (an adapter, custom code not trusted), except
+    with --no-preflight and the layout forced, which reads nothing."""
     if not options.preflight:
-        return Preflight(sharded=layout_without_preflight(location, options), facts=None)
+        sharded = layout_without_preflight(location, options)  # first: its listing errors say the way round
+        if options.sharded is None and options.pattern is None:
+            check_repo_kind(location, options)  # not with the layout given: --no-preflight then reads nothing
+        return Preflight(sharded=sharded, facts=None)
+    check_repo_kind(location, options)
     engram = options.engram
     report = verify_checkpoint(
         location,
@@ -75,3 +83,29 @@ def layout_without_preflight(location: Location, options: ServeOptions) -> bool:
             f" ({error.hint})" if error.hint else ""
         )
         raise
+
+
+def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
+    """Whether vLLM would run with --trust-remote-code: the last of --trust-remote-code and
+    --no-trust-remote-code given after `--` wins, as argparse has it."""
+    given = [arg for arg in vllm_args if takes(arg, TRUST_REMOTE_CODE) or takes(arg, "--no-trust-remote-code")]
+    return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
+
+
+def check_repo_kind(location: Location, options: ServeOptions) -> None:
+    """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
+    an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
+    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host."""
+    sizes = {location.relative(info.key): info.size for info in location.list()}
+    kind = read_repo_kind(location, sizes)
+    if kind.adapter:
+        raise UsageError(
+            f"{options.model} is an adapter of {kind.base_model or 'a base model adapter_config.json does not name'}, "
+            "not a model",
+            hint=kind.adapter_hint(options.model),
+        )
+    if kind.custom_code is not None and not trusts_remote_code(options.vllm_args):
+        raise UsageError(
+            f"{options.model} runs its own code ({kind.custom_code}); vLLM refuses it without {TRUST_REMOTE_CODE}",
+            hint=f"review the repo's .py files, then pass -- {TRUST_REMOTE_CODE} (it runs that code on this host)",
+        )

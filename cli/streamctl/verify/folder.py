@@ -7,11 +7,16 @@ import json
 from collections.abc import Mapping, Sequence
 
 from streamctl.checkpoint.files import (
+    ADAPTER_CONFIG_NAME,
     CONFIG_NAME,
     MANIFEST_NAME,
+    MAX_CONFIG_BYTES,
     MISTRAL_PARAMS_NAME,
-    STANDALONE_TOKENIZER_FILES,
+    TOKENIZER_CONFIG_NAME,
+    RepoKind,
     auto_map_files,
+    has_tokenizer,
+    repo_kind,
 )
 from streamctl.checkpoint.safetensors import decode_json_strictly, printable
 from streamctl.ownership import MAX_MANIFEST_BYTES
@@ -33,22 +38,47 @@ def check_transfer_manifest(location: Location, listing: Listing, findings: Find
         findings.warning(TRANSFER_INCOMPLETE_CODE, MANIFEST_NAME, f"the copy here is not complete: {reason}")
 
 
+def read_repo_kind(
+    location: Location, listing: Listing, config_data: bytes | None, findings: Findings, reads: Reads
+) -> RepoKind:
+    """The repo's RepoKind from the config already read, `adapter_config.json` when there is one, and
+    `tokenizer_config.json` only when no tokenizer file is there (its own tokenizer code may be the tokenizer)."""
+    documents: dict[str, object] = {}
+    if config_data is not None:
+        documents[CONFIG_NAME] = decode_json_strictly(config_data, what=CONFIG_NAME).value
+    wanted = [ADAPTER_CONFIG_NAME] + ([] if has_tokenizer(listing.top_level) else [TOKENIZER_CONFIG_NAME])
+    for name in wanted:
+        if name in listing.top_level:
+            data = read_small(location, listing, name, MAX_CONFIG_BYTES, findings, reads, "config-invalid")
+            documents[name] = decode_json_strictly(data, what=name).value if data is not None else None
+    return repo_kind(documents)
+
+
 def check_serving_files(
     listing: Listing,
     safetensors_names: Sequence[str],
     config_data: bytes | None,
     referenced: Mapping[str, str],
     findings: Findings,
+    kind: RepoKind,
+    location_url: str,
 ) -> None:
-    """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders."""
+    """What vLLM pulls next to the weights: config, tokenizer, custom code, and sub-folders. An adapter
+    needs neither config nor tokenizer (its base model has them): one warning says how vLLM serves it."""
     top = listing.top_level
-    if CONFIG_NAME in top:
+    if kind.adapter:
+        findings.warning(
+            "lora-adapter",
+            ADAPTER_CONFIG_NAME,
+            f"an adapter of {kind.base_model or 'a base model adapter_config.json does not name'}, not a model; "
+            + kind.adapter_hint(location_url),
+        )
+    elif CONFIG_NAME in top:
         if config_data is not None:
             check_config(config_data, listing, findings)
     elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
-    has_bpe_pair = "vocab.json" in top and "merges.txt" in top
-    if not any(name in top for name in STANDALONE_TOKENIZER_FILES) and not has_bpe_pair:
+    if not kind.adapter and not kind.custom_tokenizer and not has_tokenizer(top):
         findings.warning(
             "tokenizer-missing",
             None,

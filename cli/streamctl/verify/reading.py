@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
+from streamctl.checkpoint.files import weights_elsewhere
 from streamctl.checkpoint.safetensors import HeaderProblem, ParsedHeader, parse_header, read_header
 from streamctl.errors import NotFoundError
 from streamctl.progress import Progress
@@ -89,10 +90,11 @@ def list_location(location: Location) -> Listing:
 
 def no_safetensors(location: Location, listing: Listing) -> NotFoundError:
     """The error for a location without top-level `.safetensors`, with a hint at sub-folders that hold some."""
-    nested = sorted({name.partition("/")[0] for name in listing.sizes if "/" in name and name.endswith(".safetensors")})
-    if nested:
-        folders = ", ".join(f"{folder}/" for folder in nested)
-        hint = f"*.safetensors files are in sub-folder(s) {folders}: verify that folder"
+    elsewhere = weights_elsewhere(listing.sizes)
+    if elsewhere is not None:
+        # vLLM's streamer loaders read safetensors alone: a sub-folder is a checkpoint of its own, a GGUF is not one.
+        where = f"; verify {location.url.rstrip('/')}/{elsewhere.folders[0]}" if elsewhere.folders else ""
+        hint = f"here: {elsewhere.describe()}{where} (vLLM's streamer loaders read top-level *.safetensors only)"
     else:
         hint = "vLLM needs model.safetensors or model-00001-of-0000N.safetensors files at the top of the prefix"
     return NotFoundError(f"no .safetensors files directly under {location.url}", hint=hint)

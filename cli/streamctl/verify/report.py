@@ -58,6 +58,7 @@ Finding codes
 | `config-missing` | error | no `config.json` (vLLM requires it) |
 | `config-invalid` | error | `config.json` is not a UTF-8 JSON object |
 | `tokenizer-missing` | warning | no tokenizer (`tokenizer.json`, `tokenizer.model`, `vocab.json` + `merges.txt`, ...) |
+| `lora-adapter` | warning | an adapter (`adapter_config.json`), not a model: vLLM serves it on its base model (`base_model_name_or_path`) with `--enable-lora --lora-modules NAME=LOCATION` |
 | `remote-code-missing` | warning | `auto_map` in `config.json` names a `.py` file that is not there |
 | `entry-skipped` | warning | a FIFO, socket, device, or a symbolic link that dangles, loops or leads out of the folder: not read (local folders) |
 | `subfolder-pulled` | warning | a sub-folder (such as `original/` or `.git/`) that vLLM pulls at start-up; files the model's configs reference (`modules.json` folders such as `1_Pooling/`, `auto_map` code) are not counted |

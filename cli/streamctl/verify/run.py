@@ -26,7 +26,7 @@ from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.storage import deadlines
 from streamctl.storage.base import Location
-from streamctl.verify.folder import check_serving_files, check_transfer_manifest
+from streamctl.verify.folder import check_serving_files, check_transfer_manifest, read_repo_kind
 from streamctl.verify.indexed import (
     check_consolidated_mix,
     check_expectations,
@@ -90,7 +90,8 @@ def verify_checkpoint(
     check_expectations(options.expectations, read.shards, read.index, findings)
     # Sub-folders the model's configs name (sentence-transformers modules, custom code) are needed, not stray.
     referenced = read_config_references(location, listing.sizes) if listing.subfolders else {}
-    check_serving_files(listing, safetensors_names, read.config, referenced, findings)
+    kind = read_repo_kind(location, listing, read.config, findings, reads)
+    check_serving_files(listing, safetensors_names, read.config, referenced, findings, kind, location.url)
 
     stats = _stats(read.shards, reads, time.monotonic() - started)
     tp, pp = sharded_sizes(pattern, safetensors_names) if pattern is not None else (None, None)
