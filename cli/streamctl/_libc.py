@@ -63,3 +63,18 @@ def set_parent_death_signal(signum: int) -> bool:
     import ctypes
 
     return int(prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signum), 0, 0, 0)) == 0
+
+
+@cache
+def keep_unwinder_loaded() -> Any | None:
+    """Load libgcc_s now, while memory is plentiful: glibc dlopens it whenever a thread exits (CPython ends
+    every thread with pthread_exit, which unwinds), and a process out of address space (`ulimit -v`) then
+    aborts ("libgcc_s.so.1 must be installed for pthread_exit to work") instead of exiting with its error."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libgcc_s.so.1")
+    except OSError:
+        return None

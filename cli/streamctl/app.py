@@ -23,7 +23,7 @@ from streamctl.commands._environment import Command, Group, flag_from_environmen
 from streamctl.commands._options import DebugOption, QuietOption
 from streamctl.commands.help import with_examples
 from streamctl.errors import Interrupted, StreamctlError, UsageError
-from streamctl.oserrors import user_error
+from streamctl.oserrors import user_error  # at start-up: a run out of memory cannot import it then
 
 # Exit code for a bug in streamctl itself (sysexits.h EX_SOFTWARE): distinct from every documented code.
 EXIT_INTERNAL_ERROR = 70

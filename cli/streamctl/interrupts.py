@@ -7,10 +7,11 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from types import FrameType
 from typing import Protocol, TypeVar
+
+from streamctl._libc import keep_unwinder_loaded
 
 T = TypeVar("T")
 
@@ -31,6 +32,8 @@ def shielded_calls() -> Iterator[Shielded]:
     started before the first call, so no interrupt can fall between queueing a call and the thread that
     will run it.
     """
+    from concurrent.futures import ThreadPoolExecutor  # not at import: app.main imports this module for --help
+
     with ThreadPoolExecutor(1, thread_name_prefix="streamctl-shielded", initializer=_mark_shielded) as worker:
         worker.submit(lambda: None).result()
 
@@ -193,7 +196,14 @@ def stopping_on_signals(
     watcher = threading.Thread(
         target=_watch, args=(read_fd, grace_s, on_overdue), name="streamctl-signals", daemon=True
     )
-    watcher.start()
+    keep_unwinder_loaded()  # before any thread can exit (the watcher's exit needs it too)
+    try:
+        watcher.start()
+    except RuntimeError:  # no thread to be had (ulimit -v, -u): run as without the handler, Ctrl-C as Python's
+        os.close(read_fd)
+        os.close(write_fd)
+        yield
+        return
     old_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
     try:
         for signum, handler in previous.items():

@@ -50,7 +50,7 @@ def file_size_limit() -> None:
 # streamctl's modules are loaded (16 MiB of address space left: no thread starts).
 _LIMITED = """
 import os, resource, sys
-import streamctl.app, streamctl.transfer, streamctl.shard.run, streamctl.verify.run
+import streamctl.app, streamctl.interrupts, streamctl.transfer, streamctl.shard.run, streamctl.verify.run
 from streamctl.storage.local import LocalStore
 
 if sys.argv[1] == "nofile":
@@ -63,8 +63,17 @@ if sys.argv[1] == "nofile":
         return start_multipart(self, *args, **kwargs)
     LocalStore.start_multipart = limited
 else:
-    used = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), used + (16 << 20)))
+    import contextlib
+    stopping_on_signals = streamctl.interrupts.stopping_on_signals
+    @contextlib.contextmanager
+    def limited(*args, **kwargs):
+        # The limit once the run is under way (its signal watcher started, as a process that got going
+        # before memory ran out): 16 MiB of address space left, less than one more thread's stack.
+        with stopping_on_signals(*args, **kwargs):
+            used = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            resource.setrlimit(resource.RLIMIT_AS, (used + (16 << 20), used + (16 << 20)))
+            yield
+    streamctl.interrupts.stopping_on_signals = limited
 sys.argv = ["streamctl", *sys.argv[2:]]
 streamctl.app.main()
 """

@@ -15,11 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from cli_helpers import run_cli
 from servers import StorageServers
-from shard_models import write_model
 
 MARKERS = ("", "sub/", "sub/deeper/", "tokenizer/")  # relative to the model's prefix: itself, nested, deeper
 
@@ -45,23 +42,6 @@ def upload_model(storage_servers: StorageServers, model: Path, root: str) -> Non
     for path in sorted(model.rglob("*")):
         if path.is_file():
             put(storage_servers, root, path.relative_to(model).as_posix(), path.read_bytes())
-
-
-@pytest.fixture(params=["s3", "gs", "az"])
-def bucket_root(request: pytest.FixtureRequest) -> str:
-    root: str = request.getfixturevalue(f"{request.param}_root")
-    return root
-
-
-@pytest.fixture
-def env(bucket_root: str, storage_servers: StorageServers, _storage_session_env: dict[str, str]) -> dict[str, str]:
-    return {**_storage_session_env, **storage_servers.env()}
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    write_model(tmp_path / "hf", "llama-gqa")
-    return tmp_path / "hf"
 
 
 def skipped_markers(document: dict[str, Any]) -> set[str]:

@@ -18,7 +18,6 @@ import pytest
 
 from cli_helpers import run_cli
 from servers import StorageServers
-from shard_models import write_model
 from streamctl.storage import open_location
 
 TEMPORARY_EXTRA = len("/.streamctl-tmp/0123456789abcdef")  # 32: what a temporary name adds to a key
@@ -37,23 +36,6 @@ def everything_in(storage_servers: StorageServers, root: str) -> list[str]:
         return storage_servers.gcs().object_names(bucket)
     container = storage_servers.azure().service().get_container_client(bucket)
     return [blob.name for blob in container.list_blobs(include=["uncommittedblobs"])]
-
-
-@pytest.fixture(params=["s3", "gs", "az"])
-def bucket_root(request: pytest.FixtureRequest) -> str:
-    root: str = request.getfixturevalue(f"{request.param}_root")
-    return root
-
-
-@pytest.fixture
-def env(bucket_root: str, storage_servers: StorageServers, _storage_session_env: dict[str, str]) -> dict[str, str]:
-    return {**_storage_session_env, **storage_servers.env()}
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    write_model(tmp_path / "hf", "llama-gqa")
-    return tmp_path / "hf"
 
 
 def key_bytes(root: str, prefix: str, name: str) -> int:

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
-from shard_models import write_model
 from streamctl.errors import UsageError
 from streamctl.storage import open_location, parse_url
 from streamctl.storage.schemes import ALIASES, SCHEMES
@@ -81,12 +80,6 @@ def test_a_slashless_scheme_and_a_cr_together_name_the_whole_fix() -> None:
 
 
 # ------------------------------------------------------------------------------------------ the commands
-
-
-@pytest.fixture
-def model(tmp_path: Path) -> Path:
-    write_model(tmp_path / "hf", "llama-gqa")
-    return tmp_path / "hf"
 
 
 @pytest.fixture

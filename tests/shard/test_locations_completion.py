@@ -219,7 +219,7 @@ def kill_when(folder: Path, ready: Any, *args: str) -> None:
     process.wait(30)
 
 
-def test_a_run_killed_after_its_weights_is_refused_by_verify_and_serve(tmp_path: Path) -> None:
+def test_a_run_killed_after_its_weights_is_refused_by_verify_and_serve_and_finished_by_a_rerun(tmp_path: Path) -> None:
     big_model(tmp_path / "hf")
     out = tmp_path / "out"
     kill_when(out, lambda: all((out / name).exists() for name in RANK_FILES), str(tmp_path / "hf"), str(out))
@@ -231,10 +231,12 @@ def test_a_run_killed_after_its_weights_is_refused_by_verify_and_serve(tmp_path:
     for args in ((), ("--sharded",)):
         served = run_cli("serve", str(out), "--dry-run", "-tp", "2", *args)
         assert served.exit_code == 1 and "shard-incomplete" in served.stderr, served.stderr
-    # Running again: named as an interrupted run, and --force completes it.
+    # A run of another kind (here another TP) is refused, naming the interrupted run; the same command
+    # again finishes it without --force (issue 21: an evicted pod's replacement just runs again).
+    other = run_cli("shard", str(tmp_path / "hf"), str(out), "-tp", "4")
+    assert other.exit_code == 2 and "interrupted shard run" in other.stderr, other.stderr
     again = run_cli("shard", str(tmp_path / "hf"), str(out), "-tp", "2")
-    assert again.exit_code == 2 and "interrupted shard run" in again.stderr, again.stderr
-    assert run_cli("shard", str(tmp_path / "hf"), str(out), "-tp", "2", "--force").exit_code == 0
+    assert again.exit_code == 0, again.stderr
     assert findings(out) == set()
     assert json.loads((out / SHARD_MANIFEST_NAME).read_text())["complete"] is True
     assert run_cli("serve", str(out), "--dry-run", "-tp", "2").exit_code == 0
