@@ -69,7 +69,8 @@ def package_path_folder() -> str:
     PYTHONPATH entry. The folder above the package is, in an install, this environment's whole site-packages:
     on the worker's path its numpy, torch... would shadow the vLLM environment's own (measured: this
     environment's numpy 2.4.6 imported in the worker instead of the vLLM environment's 2.3.5). Removed by
-    `remove_path_folder` once the worker has exited."""
+    `remove_path_folder` once the worker has exited (a SIGKILLed streamctl leaves it, as its other temporary
+    folders: a link, nothing else). In the temporary folder, not a cache: it works where HOME is read-only."""
     with mapped(tempfile.gettempdir()):
         folder = tempfile.mkdtemp(prefix=PATH_FOLDER_PREFIX)
         try:
