@@ -1,6 +1,6 @@
 """The `shard --engine vllm-cpu` worker: vLLM's own model code lays out every rank's tensors, on a CPU.
 
-    VLLM_PYTHON -P -m streamctl.shard.vllm_cpu_worker      (PYTHONPATH=<the folder holding streamctl>)
+    VLLM_PYTHON -P -m streamctl.shard.vllm_cpu_worker      (PYTHONPATH=<a folder holding streamctl alone>)
 
 stdin/stdout carry the frames of streamctl.shard.vllm_protocol (its docstring is the contract); fd 1 is moved
 to stderr first, so vLLM's own prints and logs (at WARNING) go to stderr. One process serves any number of

@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections import deque
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from streamctl.errors import EngineFailed, StreamctlError, UsageError
+from streamctl.oserrors import mapped
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.shard.vllm_protocol import (
     DEADLINE_VARIABLE,
@@ -40,8 +42,11 @@ from streamctl.shard.vllm_protocol import (
 )
 
 WORKER_MODULE = "streamctl.shard.vllm_cpu_worker"
-# The folder holding this streamctl package (cli/ in a checkout): the worker imports vllm_protocol from it.
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
+# This streamctl package (cli/streamctl in a checkout, SITE-PACKAGES/streamctl in an install): the worker imports
+# vllm_protocol and vllm_shims from it, and nothing else of this environment (package_path_folder).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+PACKAGE_NAME = __name__.partition(".")[0]
+PATH_FOLDER_PREFIX = "streamctl-worker-path-"
 STDERR_TAIL_LINES = 30  # the worker's last stderr lines, shown when it fails
 STOP_TIMEOUT_S = 10.0  # how long a worker may take to exit after EOF on its stdin
 FORWARD_WAIT_S = 2.0  # how long a worker may take to exit on a forwarded SIGINT/SIGTERM before it is killed
@@ -59,8 +64,40 @@ FINAL_TYPES = frozenset({"plan", "written", "checked", "error"})
 ReadSource = Callable[[str, int, int], Iterable[bytes]]
 
 
-def worker_environment(base: Mapping[str, str], deadline_s: float | None = None) -> dict[str, str]:
-    """The worker's environment: this package first on its path, vLLM's CPU platform, the Hub offline (the
+def package_path_folder() -> str:
+    """A new private folder (mode 0700) holding only a link to this streamctl package: the worker's first
+    PYTHONPATH entry. The folder above the package is, in an install, this environment's whole site-packages:
+    on the worker's path its numpy, torch... would shadow the vLLM environment's own (measured: this
+    environment's numpy 2.4.6 imported in the worker instead of the vLLM environment's 2.3.5). Removed by
+    `remove_path_folder` once the worker has exited (a SIGKILLed streamctl leaves it, as its other temporary
+    folders: a link, nothing else). In the temporary folder, not a cache: it works where HOME is read-only."""
+    with mapped(tempfile.gettempdir()):
+        folder = tempfile.mkdtemp(prefix=PATH_FOLDER_PREFIX)
+        try:
+            os.symlink(PACKAGE_DIR, os.path.join(folder, PACKAGE_NAME), target_is_directory=True)
+        except OSError:
+            remove_path_folder(folder)
+            raise
+    return folder
+
+
+def remove_path_folder(folder: str) -> None:
+    """Remove what `package_path_folder` made: the link (never what it points to), then the folder."""
+    try:
+        os.unlink(os.path.join(folder, PACKAGE_NAME))
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return  # left in the temporary folder: a link, harmless
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
+
+
+def worker_environment(base: Mapping[str, str], package_path: str, deadline_s: float | None = None) -> dict[str, str]:
+    """The worker's environment: `package_path` (a folder holding this streamctl package alone:
+    package_path_folder) first on its path, vLLM's CPU platform, the Hub offline (the
     parent reads every byte of a remote SOURCE; vLLM must not reach anything), and PyTorch's CPU allocator
     asking for transparent huge pages (unless the caller chose): every layer's weights and every checked
     rank are fresh memory, and faulting it in 2 MiB at a time instead of 4 KiB cut the 3.1 GB Mixtral
@@ -71,7 +108,7 @@ def worker_environment(base: Mapping[str, str], deadline_s: float | None = None)
     environment[HEARTBEAT_VARIABLE] = f"{heartbeat_interval(deadline_s or engine_deadline(base)):g}"
     environment.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     path = environment.get("PYTHONPATH")
-    environment["PYTHONPATH"] = PACKAGE_PARENT + (os.pathsep + path if path else "")
+    environment["PYTHONPATH"] = package_path + (os.pathsep + path if path else "")
     environment["VLLM_TARGET_DEVICE"] = "cpu"
     environment["HF_HUB_OFFLINE"] = "1"
     environment["TRANSFORMERS_OFFLINE"] = "1"
@@ -90,6 +127,7 @@ class VllmWorker:
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=STDERR_TAIL_LINES))
     busy: bool = False  # a request was sent and its final frame not read yet
     broken: str | None = None  # why the worker cannot be used any more
+    path_folder: str | None = None  # its PYTHONPATH folder (package_path_folder), removed once it has exited
     deadline_s: float = field(default_factory=engine_deadline)  # silence allowed while this process waits on it
     doing: str = "starting"  # the request in progress (DOING), for the error when it stops answering
     silent: str | None = None  # what this process was waiting for when the deadline killed the worker
@@ -291,6 +329,9 @@ class VllmWorker:
                     stream.close()
             except OSError:
                 pass
+        if self.path_folder is not None and self.process.poll() is not None:
+            remove_path_folder(self.path_folder)
+            self.path_folder = None
 
     def close(self, forward: int | None = None) -> None:
         """End the worker: EOF on its stdin (it exits 0), killed if it does not exit in time; `forward`: as for
@@ -329,21 +370,23 @@ def start_worker(
     so that a terminal's Ctrl-C reaches streamctl alone, which then stops it (forwarding the signal). Start it
     from a thread that outlives it (the main thread): the worker dies with the thread that started it."""
     deadline_s = engine_deadline()
+    path_folder = package_path_folder()
     try:
         process = subprocess.Popen(
             [python, "-P", "-m", module],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-            env=worker_environment(os.environ, deadline_s),
+            env=worker_environment(os.environ, path_folder, deadline_s),
             start_new_session=True,
         )
     except OSError as error:
+        remove_path_folder(path_folder)
         raise UsageError(
             f"cannot run the vLLM environment's python {python}: {error.strerror or error}",
             hint="pass --vllm-python with the python of a CPU vLLM environment, or leave it out to make one",
         ) from None
-    worker = VllmWorker(process, python, progress, forward_logs, deadline_s=deadline_s)
+    worker = VllmWorker(process, python, progress, forward_logs, deadline_s=deadline_s, path_folder=path_folder)
     worker.start_watchdog()
     _widen_pipe(worker.stdout)
     assert process.stderr is not None
