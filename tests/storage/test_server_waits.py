@@ -479,7 +479,9 @@ def test_a_cdn_ignoring_range_is_refused_before_the_body(fake_hub: FakeHub) -> N
     # From its start (or a header's few bytes in), the whole-file answer is read only to the range's end.
     fake_hub.sent["cdn"] = 0
     assert store.read_range("model.safetensors", 8, MiB) == BIG[8 : 8 + MiB]
-    assert fake_hub.sent["cdn"] < 1.5 * MiB, fake_hub.sent
+    # The range plus what the loopback's socket buffers took before the hang-up (1.5 MiB seen under load),
+    # well under the 4 MiB file.
+    assert fake_hub.sent["cdn"] < 2.5 * MiB, fake_hub.sent
 
 
 @pytest.mark.parametrize("part_size", ["1MiB", "16MiB"])
@@ -500,7 +502,8 @@ def test_transfer_from_a_cdn_ignoring_range_reads_the_file_once(
     assert hashlib.sha256(copied).hexdigest() == hashlib.sha256(big).hexdigest()
     # Plus, with 1 MiB parts: the first part, and what the kernel buffered for the refused parts in flight
     # and the check's header reads before each hung up (~256 KiB each).
-    bound = len(big) + (3 * MiB if part_size == "1MiB" else 512 * 1024)
+    # (3.06 MiB seen on a loaded 2-core machine; before the fix 8 MiB in 1 MiB parts cost 46.9 MB.)
+    bound = len(big) + (4 * MiB if part_size == "1MiB" else 512 * 1024)
     assert fake_hub.sent["cdn"] <= bound, f"{fake_hub.sent['cdn']:,} bytes sent for a {len(big):,}-byte file"
 
 
