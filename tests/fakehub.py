@@ -5,7 +5,7 @@ plays the CDN LFS files are redirected to, so tests can check that the Authoriza
 hub. Repos are built in memory (or loaded from a folder) per test; branches and tags map to commits, so a test
 can move a branch after a client resolved it.
 
-What it speaks (huggingface_hub 2.x, see /work/shared/specs/transfer-and-test-servers.md):
+What it speaks (huggingface_hub 2.x, see docs/specs/transfer-and-test-servers.md):
 - `GET  /api/{models|datasets}/{org}/{name}[/revision/{rev}]`   -> {id, sha, private, gated, siblings}
 - `GET  /api/{models|datasets}/{org}/{name}/tree/{rev}[/{path}]` -> paginated tree (`Link: <...>; rel="next"`)
 - `POST /api/{models|datasets}/{org}/{name}/paths-info/{rev}`    -> entries for the form's `paths`

@@ -1,7 +1,7 @@
 """The shard tests' tiny Hugging Face checkpoints and their independent reading of the spec.
 
 `write_model` writes real config.json fields (the shared ones from tiny_models) over seeded numpy weights;
-`expected_rank` computes every rank's names, shapes and bytes from `shared/specs/sharded-state.md` with plain
+`expected_rank` computes every rank's names, shapes and bytes from `docs/specs/sharded-state.md` with plain
 numpy, without calling the library's layout code; `assert_rank_matches` compares that with what was written.
 """
 

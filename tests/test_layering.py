@@ -1,4 +1,4 @@
-"""The package's layering rules (issue 11), read from the source with `ast`: nothing in cli/streamctl is imported.
+"""The package's layering rules, read from the source with `ast`: nothing in cli/streamctl is imported.
 
 Each rule is a small pure checker over the parsed modules that returns "FILE:LINE: what" strings. Every rule has
 a test on the real tree and a test on a synthetic tree in tmp_path showing that the checker catches a violation.

@@ -1,4 +1,4 @@
-"""One case per rule of shared/specs/safetensors-and-index.md, plus the writer and the ranged reader."""
+"""One case per rule of docs/specs/safetensors-and-index.md, plus the writer and the ranged reader."""
 
 from __future__ import annotations
 
@@ -199,7 +199,7 @@ def test_rule5_unknown_fields_in_an_entry_warn() -> None:
 
 
 def test_rule6_a_tensor_twice_is_a_warning_and_its_last_entry_is_the_one_kept() -> None:
-    # Every reader loads the last entry (test_fidelity_readers measures it); the layout rules judge that one.
+    # Every reader loads the last entry (test_reader_agreement measures it); the layout rules judge that one.
     raw = b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"I8","shape":[1],"data_offsets":[0,1]}}'
     parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
     assert [(problem.code, problem.severity, problem.tensor) for problem in parsed.problems] == [
@@ -304,7 +304,7 @@ def test_rule8_size_arithmetic_is_checked_like_the_reference_reader() -> None:
 
 
 def test_rule8_a_dimension_must_fit_a_signed_64_bit_integer() -> None:
-    # numpy, torch and the Run:ai streamer build the tensor with int64 dimensions (test_fidelity_readers).
+    # numpy, torch and the Run:ai streamer build the tensor with int64 dimensions (test_reader_agreement).
     assert codes(file_from_header({"t": entry("U8", [0, 2**63 - 1], 0, 0)})) == []
     for shape in ([2**63], [0, 2**63], [2**64 - 1, 0], [1, 2**63 + 1, 0]):
         assert codes(file_from_header({"t": entry("U8", shape, 0, 0)})) == ["bad-shape"], shape

@@ -1,4 +1,4 @@
-"""Issue 22.10: `transfer --k8s-job` writes every option of the run into the pod's command line, by one
+"""`transfer --k8s-job` writes every option of the run into the pod's command line, by one
 serializer driven by the command's own option definitions (the hand-built list once dropped --repo-type,
 so a dataset was copied as the model repo of the same name). The test parses the printed Job's container
 arguments back with the CLI's own parser and compares them with what was given, for every option."""

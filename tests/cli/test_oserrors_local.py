@@ -1,4 +1,4 @@
-"""What the operating system refuses is the user's error, never an internal one (issue 21, item 9).
+"""What the operating system refuses is the user's error, never an internal one.
 
 Each errno class is produced for real in a `streamctl` subprocess: modes (as root, with the file-permission
 capabilities dropped from the bounding set first, so the modes bind as for any user), a read-only and a full

@@ -1,4 +1,4 @@
-"""Issue 22.13: --quiet prints the result alone on stdout (the DEST written, what a dry run would copy, the
+"""--quiet prints the result alone on stdout (the DEST written, what a dry run would copy, the
 command line asked for, nothing for a check) and only what failed on stderr, for every command, by one rule
 (output.QUIET_RENDERERS); and a report written to a pipe fits 80 columns or becomes one line per row."""
 

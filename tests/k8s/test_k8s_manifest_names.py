@@ -1,4 +1,4 @@
-"""Issue 21.6, 21.10, 21.11: the names in `serve --k8s` and `transfer --k8s-job` manifests.
+"""The names in `serve --k8s` and `transfer --k8s-job` manifests.
 
 - Every name option a user gives is checked against the API server's own rule for what it becomes (restated
   here from k8s.io/apimachinery/pkg/util/validation, independently of streamctl's table) and refused with exit 2.

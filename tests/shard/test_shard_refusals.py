@@ -167,7 +167,7 @@ def test_plan_needs_no_data_reads(tmp_path: Path) -> None:
 
 
 def test_a_broken_header_is_refused_naming_its_tensor(tmp_path: Path) -> None:
-    """Issue 22 item 8: the refusal names the tensor the readers fail on, not only the file."""
+    """The refusal names the tensor the readers fail on, not only the file."""
     from checkpoints import header_of, truncate_object
 
     write_model(tmp_path / "hf", "llama-gqa")

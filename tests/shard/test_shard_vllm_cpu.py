@@ -145,7 +145,7 @@ def test_dest_bucket_gets_every_tensor_of_vllms_rank_model(
 def test_a_dest_too_long_for_the_planned_names_is_refused_before_the_lease(
     tiny: dict[str, Path], worker: VllmWorker, s3_root: str
 ) -> None:
-    """Issue 21.8: the names vLLM's plan gives (rank files, serving files, manifest, lease) are checked
+    """The names vLLM's plan gives (rank files, serving files, manifest, lease) are checked
     against S3's 1,024 bytes before the lease: nothing at all lands in the bucket."""
     dest = open_location(f"{s3_root}/{'p' * 990}")
     with pytest.raises(UsageError, match=r"name too long for S3: .* is 1,\d{3} bytes of UTF-8.*; S3 holds 1,024"):

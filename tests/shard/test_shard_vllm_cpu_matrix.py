@@ -1,4 +1,4 @@
-"""`streamctl shard --engine vllm-cpu` judged by vLLM 0.33 itself, across architectures (issue 12).
+"""`streamctl shard --engine vllm-cpu` judged by vLLM 0.33 itself, across architectures.
 
 Every case goes through the library entry point the CLI calls (`shard_checkpoint`, engine "vllm-cpu"), all of
 them through ONE worker process (vLLM's import costs ~6-10 s), then ONE check_sharded.py run (vLLM's own

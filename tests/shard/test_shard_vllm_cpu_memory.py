@@ -1,4 +1,4 @@
-"""`streamctl shard --engine vllm-cpu` in bounded memory (issue 12): a checkpoint far larger than the memory
+"""`streamctl shard --engine vllm-cpu` in bounded memory: a checkpoint far larger than the memory
 the test allows still shards, and the worker's peak RSS stays under the formula the design gives.
 
 The checkpoint is tiny_hf_models' `llama-deep` (48 layers, hidden 512, float32: 629 MiB, 13.6 MiB a layer),

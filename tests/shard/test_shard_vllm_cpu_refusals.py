@@ -1,4 +1,4 @@
-"""`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard (issue 12): an FP8
+"""`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard: an FP8
 block-quantized checkpoint (vLLM's CPU platform has no kernel for it), an architecture vLLM does not know, a
 TP that does not divide the heads or the experts, a truncated shard,
 a corrupt header. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),

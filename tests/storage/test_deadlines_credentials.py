@@ -1,4 +1,4 @@
-"""Azure without credentials (issue 10.10): one quick try of the credential chain, no SDK log, exit 4.
+"""Azure without credentials: one quick try of the credential chain, no SDK log, exit 4.
 
 The chain's managed-identity step is pointed at a local IMDS stand-in (AZURE_POD_IDENTITY_AUTHORITY_HOST) that
 counts its requests and answers "no identity"; HTTPS_PROXY points at a closed local port, so nothing could

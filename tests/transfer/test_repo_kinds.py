@@ -1,4 +1,4 @@
-"""Repo layouts users bring (issue 22, "Repos"): Mistral's own tokenizer files, LoRA adapters, GGUF-only and
+"""Repo layouts users bring: Mistral's own tokenizer files, LoRA adapters, GGUF-only and
 sub-folder-only repos, custom code, pickle indexes; `transfer`, `verify-index` and `serve` agree on each."""
 
 from __future__ import annotations

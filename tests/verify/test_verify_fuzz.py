@@ -119,7 +119,7 @@ def oracle_accepts(data: bytes) -> bool:
                 if isinstance(dtype, str)
                 else 0
             )
-            # numpy and torch build tensors with int64 dimensions (test_fidelity_readers).
+            # numpy and torch build tensors with int64 dimensions (test_reader_agreement).
             if not bits or not isinstance(shape, list) or not all(_u64(dim) and dim < 2**63 for dim in shape):
                 raise _Invalid
             if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_u64, offsets)):

@@ -93,7 +93,7 @@ def test_a_tensor_twice_in_the_weight_map_is_a_warning_naming_both_files(locatio
         text.replace('"weight_map": {', f'"weight_map": {{\n    "lm_head.weight": "{SHARD_1}",', 1).encode(),
     )
     report = run(location)
-    # vLLM and transformers read the index with json.load: the last entry wins (test_fidelity_readers).
+    # vLLM and transformers read the index with json.load: the last entry wins (test_reader_agreement).
     assert findings_of(report, "index-duplicate-tensor") == [(INDEX_NAME, "lm_head.weight")]
     assert error_codes(report) == [] and "index-duplicate-tensor" in warning_codes(report)
     (finding,) = [finding for finding in report.findings if finding.code == "index-duplicate-tensor"]

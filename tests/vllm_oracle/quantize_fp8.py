@@ -1,4 +1,4 @@
-"""Quantize a tiny HF checkpoint to FP8 (vLLM oracle venv only; issue 12 spike).
+"""Quantize a tiny HF checkpoint to FP8 (vLLM oracle venv only).
 
     quantize_fp8.py SRC DEST block      # DeepSeek-V3 style: quant_method fp8, weight_block_size [16, 16],
                                         # `weight` float8_e4m3fn + `weight_scale_inv` float32 per block

@@ -2,7 +2,7 @@
 
     tiny_hf_models.py OUT_ROOT [KIND ...]     # writes OUT_ROOT/KIND/ (config.json + model.safetensors)
 
-Issue 12: the architectures the offline table does not cover, and its four (bf16). hidden 64, 3 layers, 4 heads, 2 KV heads,
+The architectures the offline table does not cover, and its four (bf16). hidden 64, 3 layers, 4 heads, 2 KV heads,
 4 experts, vocab 128; bfloat16 (vLLM refuses float16 for Gemma 2/3).
 """
 

@@ -1,7 +1,7 @@
 """The safetensors format: check a header against the format's rules, and write small files.
 
 Pure functions, no numpy. The only I/O is `read_header` and `write_safetensors`, through a `Store`.
-The rules are numbered as in `shared/specs/safetensors-and-index.md`; every check needs only the object
+The rules are numbered as in `docs/specs/safetensors-and-index.md`; every check needs only the object
 size and the first 8 + N bytes, so tensor data is never read.
 
 A header is untrusted input: nothing is allocated from its length field before that length has been

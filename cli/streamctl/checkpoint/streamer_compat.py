@@ -5,7 +5,7 @@ Measured, not assumed: the streamer maps safetensors dtypes to torch dtypes (saf
 vLLM 0.33 pins (2.13) that leaves four dtypes of the safetensors list it refuses outright ("Unsupported
 dtype"), and F4, which it maps to `float4_e2m1fn_x2` (two values per byte, itemsize 1) while counting
 one byte per *element*: a spec-sized F4 tensor (4 bits per element) is "Corrupted Tensor" to it unless it
-has no elements. tests/test_fidelity_streamer.py runs the real streamer on a file per dtype and holds
+has no elements. tests/checkpoint/test_streamer_agreement.py runs the real streamer on a file per dtype and holds
 this table to it.
 
 Other loaders (safetensors itself, vLLM's default loader) read all of these, so `verify-index` reports

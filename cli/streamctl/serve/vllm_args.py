@@ -7,7 +7,7 @@ secret can be spelled `--api-key K`, `--api_key=K`, `--api-k K`, `--api-key K1 K
 `--api-key.x K`; `resolve_option` maps each spelling to the option(s) vLLM would take it for.
 
 `VLLM_SERVE_OPTIONS` is every option string of vLLM 0.33's serve parser; `SECRET_OPTIONS` are those whose
-value is a credential. Both are checked against the real parser by tests/test_secrets_vllm_flags.py
+value is a credential. Both are checked against the real parser by tests/serve/test_vllm_secret_flags.py
 (tests/vllm_oracle/serve_options.py), which also derives the secret list from the parser's options.
 """
 

@@ -1,4 +1,4 @@
-"""Issue 9.13: a header costs memory near its own size whatever it holds, and large reports stay quick.
+"""A header costs memory near its own size whatever it holds, and large reports stay quick.
 
 Peak RSS is measured in a fresh subprocess, from a baseline taken after the imports and before the header
 bytes are read, so the header's own bytes count against the budget. It reads VmHWM: getrusage's
@@ -161,7 +161,7 @@ def _peak_of_cli(*args: str) -> tuple[int, float, str]:
 
 
 def test_the_json_report_of_200_000_missing_shards_is_bounded(tmp_path: Path) -> None:
-    """Issue 21.12: each code keeps FINDINGS_PER_CODE findings and counts the rest (`omitted`), so the JSON
+    """Each code keeps FINDINGS_PER_CODE findings and counts the rest (`omitted`), so the JSON
     document and the memory behind it stay bounded: 200,000 missing shards printed 45 MB at a 451 MB peak
     (1,000,000: 227 MB, 2.07 GB, 58 s); now 0.2 MB at 125 MB (1,000,000: 0.2 MB, 450 MB, 7 s), most of it
     the parsed index."""

@@ -1,4 +1,4 @@
-"""Issue 21.7: folder markers are skipped in every listing and reported, on every bucket backend.
+"""Folder markers are skipped in every listing and reported, on every bucket backend.
 
 A zero-byte `prefix/` or `prefix/sub/` object (what the S3 and GCS consoles' "Create folder" writes; an Azure
 hierarchical-namespace folder is a blob with metadata hdi_isfolder=true) made `transfer` refuse the whole

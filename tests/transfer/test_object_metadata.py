@@ -1,4 +1,4 @@
-"""Every object streamctl writes carries its sha256 and a correct Content-Type (issue 10 item 8).
+"""Every object streamctl writes carries its sha256 and a correct Content-Type.
 
 Read back with each store's own SDK head call (boto3 head_object, google-cloud-storage's blob reload,
 azure-storage-blob's get_blob_properties) or, for folders, the file's extended attributes; the sha256

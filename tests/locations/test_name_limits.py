@@ -1,4 +1,4 @@
-"""Issue 21.8: names too long for DEST are refused before anything is written, naming the longest.
+"""Names too long for DEST are refused before anything is written, naming the longest.
 
 S3 and GCS keys hold 1,024 bytes of UTF-8, Azure blob names 1,024 characters, local folders 255 bytes per
 name and 4,095 per path (the scheme table's NameLimits). A name counts with the temporary name streamctl

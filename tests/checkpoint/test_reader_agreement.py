@@ -1,4 +1,4 @@
-"""Issue 22 items 6-8: streamctl refuses a header exactly where the readers fail or disagree, and only
+"""streamctl refuses a header exactly where the readers fail or disagree, and only
 warns where they agree on what is loaded.
 
 The readers decide. Each case below is a checkpoint folder written byte by byte; `READERS_LOAD` records

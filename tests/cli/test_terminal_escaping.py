@@ -1,4 +1,4 @@
-"""Issue 9.9: terminal control sequences in file and tensor names (ESC, C0, DEL, C1, bidi overrides) reach
+"""Terminal control sequences in file and tensor names (ESC, C0, DEL, C1, bidi overrides) reach
 no terminal raw: every human output escapes them, JSON keeps the names exactly."""
 
 from __future__ import annotations

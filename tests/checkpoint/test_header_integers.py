@@ -1,4 +1,4 @@
-"""Issue 10.5: every integer field is accepted exactly when the reference reader accepts it.
+"""Every integer field is accepted exactly when the reference reader accepts it.
 
 The reference is the `safetensors` package in the test venv (Rust, serde_json into usize): `-0`, `0.0`,
 `1e3`, `+1`, `01`, values past 2**64-1 and negative numbers are all refused there, so they must be errors
@@ -200,7 +200,7 @@ def test_verify_index_reports_a_negative_zero_offset(tmp_path: Path) -> None:
 
 
 # Where streamctl is stricter than the reference on purpose. Repeated keys are not: streamctl refuses exactly the
-# ones the reference refuses (test_fidelity_readers).
+# ones the reference refuses (test_reader_agreement).
 _STRICTER_ON_PURPOSE = {"header-too-complex"}
 
 

@@ -1,4 +1,4 @@
-"""Issue 9.12: every numeric and size option of every command refuses absurd values with exit 2, fast.
+"""Every numeric and size option of every command refuses absurd values with exit 2, fast.
 
 Values: huge (5,000 digits, past 2**64, huge exponents), negative, zero, NaN, infinity and garbage. Run
 in-process through `streamctl.app.main` (the real entry point, exit codes included) to keep 200 runs quick;

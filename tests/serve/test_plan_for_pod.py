@@ -1,5 +1,5 @@
-"""Issue 10.3: `serve --k8s` plans for the pod (its GPUs, its memory), never for this workstation.
-Issue 10.4: `serve --no-preflight` still knows the layout (one listing), and `--pattern` implies sharded."""
+"""`serve --k8s` plans for the pod (its GPUs, its memory), never for this workstation.
+`serve --no-preflight` still knows the layout (one listing), and `--pattern` implies sharded."""
 
 from __future__ import annotations
 

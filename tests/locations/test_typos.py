@@ -1,4 +1,4 @@
-"""Issue 21.5: typos in a location are refused, never made into a local folder.
+"""Typos in a location are refused, never made into a local folder.
 
 `s3:/bkt/model`, `gs:/bkt/model`, `s3:bkt/model` and a DEST with an embedded newline used to make `transfer`
 write a folder under the current directory and report done (exit 0); a trailing CR (a file edited on

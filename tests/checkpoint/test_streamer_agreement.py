@@ -1,4 +1,4 @@
-"""What the Run:ai streamer 0.17 reads, held against verify-index's findings (issue 10 items 6 and 7).
+"""What the Run:ai streamer 0.17 reads, held against verify-index's findings.
 
 The streamer itself is the judge (tests/vllm_oracle/stream_runai.py, in the vLLM venv): for every
 safetensors dtype, a file is streamed and its verdict must match whether verify reports a

@@ -1,4 +1,4 @@
-"""Issue 10.9: with --json, stdout is exactly one JSON document, on failure too.
+"""With --json, stdout is exactly one JSON document, on failure too.
 
 A failure is `{"ok": false, "error": {"code", "exit_code", "message", "hint"}}` (plus the command's own
 fields where it has some: findings of a failed check). Every command's error paths are walked: bad URL,

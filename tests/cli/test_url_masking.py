@@ -1,4 +1,4 @@
-"""Issue 9.7: credentials in URLs (`user:pass@`, signed-URL parameters) are masked wherever streamctl shows a
+"""Credentials in URLs (`user:pass@`, signed-URL parameters) are masked wherever streamctl shows a
 URL (plans, --dry-run, --json, errors, logs) and refused in manifests; launches keep the real value."""
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""A `shard` re-run into its own completed output skips the rank files that are already right (issue 10
-item 8), as `transfer` does: same plan, unchanged source files, and each DEST file's size and stored sha256
+"""A `shard` re-run into its own completed output skips the rank files that are already right, as `transfer` does: same plan, unchanged source files, and each DEST file's size and stored sha256
 equal to what the manifest recorded."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 10.1: `transfer --force` into a prefix holding another model replaces it, on every backend.
+"""`transfer --force` into a prefix holding another model replaces it, on every backend.
 
 It used to copy the new model's files over the old ones and leave the old model's other shards behind, so
 verify-index found `tensor-in-two-shards` (exit 1). Now the files the previous streamctl manifest names and

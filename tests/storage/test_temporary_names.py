@@ -1,4 +1,4 @@
-"""Issue 9.3: streamctl's temporary names never collide with a source's names, and fit beside any name.
+"""streamctl's temporary names never collide with a source's names, and fit beside any name.
 
 Every backend that makes temporary names (local files, GCS part objects) uses one reserved shape,
 `DIR/.streamctl-tmp/TOKEN/NAME[/PART]`; S3 and Azure stage parts server-side and make none. A name the

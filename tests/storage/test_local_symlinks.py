@@ -1,4 +1,4 @@
-"""Issue 9.6: symbolic links in a local SOURCE are reported and followed only inside it (unless
+"""Symbolic links in a local SOURCE are reported and followed only inside it (unless
 --follow-symlinks); nothing is ever written through a link inside a local DEST.
 
 Before: a link to a file outside SOURCE was copied silently, a linked folder was skipped silently, and a

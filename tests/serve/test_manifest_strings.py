@@ -1,4 +1,4 @@
-"""Issue 9.10: every string streamctl writes into a manifest reads back as that same string, under YAML 1.1
+"""Every string streamctl writes into a manifest reads back as that same string, under YAML 1.1
 (PyYAML, kubectl's go-yaml) and through the Kubernetes client's models."""
 
 from __future__ import annotations

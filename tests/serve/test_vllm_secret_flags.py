@@ -1,4 +1,4 @@
-"""Issue 9.8: vLLM secret options are masked and refused in manifests however they are spelled, because they
+"""vLLM secret options are masked and refused in manifests however they are spelled, because they
 are matched the way vLLM 0.33's own parser reads them (underscores, abbreviations, dotted dict options);
 with the oracle, the option table and the secret list are held against the real parser."""
 
