@@ -262,10 +262,15 @@ def installed_vllm_version() -> str:
     return done.stdout.strip()
 
 
-def tokenizer_choices(folders: Sequence[str | Path], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
+def tokenizer_choices(
+    folders: Sequence[str | Path], modes: Sequence[str | None] | None = None, timeout: float = DEFAULT_TIMEOUT_S
+) -> list[dict[str, Any]]:
     """vLLM's own tokenizer choice for each folder, in ONE oracle process (tests/vllm_oracle/tokenizer_mode.py):
-    {"folder", "auto_mode" ("mistral" or "hf"), "mistral_file" (what --tokenizer-mode mistral loads, or None)}."""
-    verdict = _run("tokenizer_mode.py", [str(folder) for folder in folders], timeout)
+    {"folder", "auto_mode" ("mistral" or "hf"), "mode" (with --tokenizer-mode MODE, `modes[i]`; auto for None),
+    "mistral_file" (what --tokenizer-mode mistral loads, or None)}."""
+    given = list(modes) if modes is not None else [None] * len(folders)
+    arguments = [f"{folder}={mode}" if mode else str(folder) for folder, mode in zip(folders, given, strict=True)]
+    verdict = _run("tokenizer_mode.py", arguments, timeout)
     if not verdict.get("ok"):
         raise OracleError(f"tokenizer_mode.py: {verdict.get('error')}")
     results: list[dict[str, Any]] = verdict["results"]

@@ -98,25 +98,60 @@ def test_mistral_tokenizer_files_travel(tmp_path: Path, layout: str) -> None:
     assert "tokenizer-missing" not in {finding.code for finding in run.verify.findings}
 
 
+def served_tokenizer_mode(folder: Path, *arguments: str) -> str | None:
+    """The --tokenizer-mode `serve --json [ARGUMENTS]` passes to vLLM for `folder`, or None."""
+    served = run_cli("serve", str(folder), "--json", *arguments)
+    assert served.exit_code == 0, served.stderr
+    argv: list[str] = served.json()["argv"]
+    assert argv.count("--tokenizer-mode") <= 1, argv
+    return argv[argv.index("--tokenizer-mode") + 1] if "--tokenizer-mode" in argv else None
+
+
 @requires_vllm_oracle
 def test_vllm_chooses_the_same_tokenizer_on_the_copy(tmp_path: Path) -> None:
-    """vLLM's own tokenizer selection (its auto mode, and the file --tokenizer-mode mistral loads) is the same
-    on each source and its copy. The one expected difference: a repo in both formats loses its
-    consolidated*.safetensors duplicate (vLLM would load both weight sets from a bucket), so vLLM's auto mode,
-    which wants one, says "hf" on the copy; `--tokenizer-mode mistral` still loads the same file."""
+    """vLLM's own tokenizer selection is the same on each source and on its copy as `serve` launches it. A repo
+    in both formats loses its consolidated*.safetensors duplicate (vLLM would load both weight sets from a
+    bucket); vLLM's auto mode, which wants one, would say "hf" on the copy, so `serve` passes
+    `--tokenizer-mode mistral` there, and only there (measured: the auto mode on the bare copy is "hf")."""
     folders: list[Path] = []
+    modes: list[str | None] = []
     for layout, files in sorted(MISTRAL_LAYOUTS.items()):
         source = write_repo(tmp_path / layout / "src", files)
         transfer(source, tmp_path / layout / "dest")
+        served = served_tokenizer_mode(tmp_path / layout / "dest")
+        assert (served == "mistral") is layout.startswith("both-formats"), (layout, served)
         folders += [source, tmp_path / layout / "dest"]
-    choices = tokenizer_choices(folders)
+        modes += [None, served]
+    choices = tokenizer_choices(folders, modes)
     for source_choice, copy_choice in zip(choices[::2], choices[1::2], strict=True):
         layout = Path(source_choice["folder"]).parent.name
         assert source_choice["mistral_file"] is not None, source_choice
         assert copy_choice["mistral_file"] == source_choice["mistral_file"], (layout, source_choice, copy_choice)
         assert source_choice["auto_mode"] == "mistral", source_choice
-        expected = "hf" if layout.startswith("both-formats") else "mistral"
-        assert copy_choice["auto_mode"] == expected, (layout, copy_choice)
+        assert copy_choice["mode"] == source_choice["auto_mode"], (layout, copy_choice)
+        bare = "hf" if layout.startswith("both-formats") else "mistral"
+        assert copy_choice["auto_mode"] == bare, (layout, copy_choice)
+
+
+def test_serve_asks_for_mistrals_tokenizer_only_where_auto_would_miss_it(tmp_path: Path) -> None:
+    """`--tokenizer-mode mistral` is added for HF shards beside a Mistral tokenizer file without consolidated*;
+    never beside consolidated* (vLLM's auto finds it), never without a Mistral tokenizer file, never twice, and
+    the user's own --tokenizer-mode (any spelling vLLM takes) wins."""
+    both = write_repo(tmp_path / "both", mistral_both_formats("tokenizer.model.v3"))
+    copy = tmp_path / "copy"
+    transfer(both, copy)
+    # consolidated*.safetensors is there: auto chooses mistral (the pre-flight refuses the mix; its rule is apart)
+    assert served_tokenizer_mode(both, "--no-preflight") is None
+    assert served_tokenizer_mode(copy) == "mistral"
+    assert served_tokenizer_mode(copy, "--", "--tokenizer-mode", "hf") == "hf"
+    assert served_tokenizer_mode(copy, "--", "--tokenizer_mode=hf") is None  # vLLM reads it as --tokenizer-mode
+    assert served_tokenizer_mode(copy, "--no-preflight") == "mistral"  # one listing tells
+    plain = mistral_both_formats("tokenizer.model")
+    plain.pop("consolidated.safetensors")
+    assert served_tokenizer_mode(write_repo(tmp_path / "plain", plain)) is None
+    note = run_cli("serve", str(copy), "--dry-run")
+    assert note.exit_code == 0 and "added --tokenizer-mode mistral" in note.stderr, note.stderr
+    assert "--tokenizer-mode mistral" in note.stdout
 
 
 def pickle_index(suffix: str) -> dict[str, Any]:

@@ -158,13 +158,14 @@ class Selection:
     reason: str
 
 
+def is_mistral_tokenizer_file(name: str) -> bool:
+    """A tokenizer file of Mistral's own format, as vLLM's selection matches it (MISTRAL_TOKENIZER_PATTERNS)."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in MISTRAL_TOKENIZER_PATTERNS)
+
+
 def is_tokenizer_file(name: str) -> bool:
     """Whether a top-level file name is one a tokenizer loader reads (HF, Mistral's own format, tiktoken)."""
-    return (
-        name in TOKENIZER_FILES
-        or name.endswith((".tiktoken", ".jinja"))
-        or any(fnmatch.fnmatchcase(name, pattern) for pattern in MISTRAL_TOKENIZER_PATTERNS)
-    )
+    return name in TOKENIZER_FILES or name.endswith((".tiktoken", ".jinja")) or is_mistral_tokenizer_file(name)
 
 
 def has_tokenizer(top_level: Iterable[str]) -> bool:
@@ -174,9 +175,22 @@ def has_tokenizer(top_level: Iterable[str]) -> bool:
     names = set(top_level)
     return (
         any(name in STANDALONE_TOKENIZER_FILES or name.endswith(".tiktoken") for name in names)
-        or any(fnmatch.fnmatchcase(name, pattern) for name in names for pattern in MISTRAL_TOKENIZER_PATTERNS)
+        or any(is_mistral_tokenizer_file(name) for name in names)
         or {"vocab.json", "merges.txt"} <= names
     )
+
+
+def needs_mistral_tokenizer_mode(top_level: Iterable[str]) -> bool:
+    """Whether `vllm serve` must be told `--tokenizer-mode mistral` to choose the tokenizer it chose on the
+    source. vLLM's auto mode picks Mistral's own tokenizer only when a Mistral-format tokenizer file sits beside
+    `consolidated*.safetensors` (`resolve_tokenizer_args`); a copy of a repo in both formats (Mistral-7B-
+    Instruct-v0.3) keeps the tokenizer file but not that 14 GB duplicate of the HF shards, so auto would fall
+    back to the HF tokenizer there."""
+    names = set(top_level)
+    mistral_tokenizer = any(is_mistral_tokenizer_file(name) for name in names)
+    consolidated = any(name.startswith("consolidated") and name.endswith(".safetensors") for name in names)
+    hf_weights = any(name.endswith(".safetensors") for name in names)
+    return mistral_tokenizer and hf_weights and not consolidated
 
 
 def _module_path(reference: str, safe_only: bool) -> str | None:

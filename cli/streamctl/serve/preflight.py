@@ -4,8 +4,9 @@ them) before any GPU spins, and the layout rule when the pre-flight is off (one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
-from streamctl.checkpoint.files import TRUST_REMOTE_CODE, read_repo_kind
+from streamctl.checkpoint.files import TRUST_REMOTE_CODE, needs_mistral_tokenizer_mode, read_repo_kind
 from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
@@ -15,6 +16,8 @@ from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, Verif
 from streamctl.verify.run import detect_layout, verify_checkpoint
 from streamctl.words import plural
 
+TOKENIZER_MODE = "--tokenizer-mode"
+
 
 @dataclass(frozen=True)
 class Preflight:
@@ -23,6 +26,7 @@ class Preflight:
     sharded: bool
     facts: CheckpointFacts | None  # None without the pre-flight
     warnings: tuple[str, ...] = field(default=())  # for the launch plan: a copy still in progress (--worker)
+    vllm_args: tuple[str, ...] = field(default=())  # vLLM options the checkpoint needs that the user did not give
 
 
 def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
@@ -32,9 +36,10 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
     if not options.preflight:
         sharded = layout_without_preflight(location, options)  # first: its listing errors say the way round
         if options.sharded is None and options.pattern is None:
-            check_repo_kind(location, options)  # not with the layout given: --no-preflight then reads nothing
+            # not with the layout given: --no-preflight then reads nothing
+            return Preflight(sharded=sharded, facts=None, **check_repo_kind(location, options))
         return Preflight(sharded=sharded, facts=None)
-    check_repo_kind(location, options)
+    asked = check_repo_kind(location, options)
     engram = options.engram
     report = verify_checkpoint(
         location,
@@ -66,7 +71,9 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
         for finding in report.warnings
         if finding.code == TRANSFER_INCOMPLETE_CODE
     )
-    return Preflight(sharded=sharded, facts=facts, warnings=incomplete)
+    return Preflight(
+        sharded=sharded, facts=facts, warnings=incomplete + asked["warnings"], vllm_args=asked["vllm_args"]
+    )
 
 
 def layout_without_preflight(location: Location, options: ServeOptions) -> bool:
@@ -92,10 +99,18 @@ def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
     return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
 
 
-def check_repo_kind(location: Location, options: ServeOptions) -> None:
+class RepoNeeds(TypedDict):
+    warnings: tuple[str, ...]
+    vllm_args: tuple[str, ...]
+
+
+def check_repo_kind(location: Location, options: ServeOptions) -> RepoNeeds:
     """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
     an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
-    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host."""
+    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host.
+
+    What is harmless and needed is added, and said: `--tokenizer-mode mistral` on a copy of a repo in both
+    formats, so vLLM chooses the tokenizer it chose on the source (needs_mistral_tokenizer_mode)."""
     sizes = {location.relative(info.key): info.size for info in location.list()}
     kind = read_repo_kind(location, sizes)
     if kind.adapter:
@@ -109,3 +124,12 @@ def check_repo_kind(location: Location, options: ServeOptions) -> None:
             f"{options.model} runs its own code ({kind.custom_code}); vLLM refuses it without {TRUST_REMOTE_CODE}",
             hint=f"review the repo's .py files, then pass -- {TRUST_REMOTE_CODE} (it runs that code on this host)",
         )
+    top_level = [name for name in sizes if "/" not in name]
+    if needs_mistral_tokenizer_mode(top_level) and not any(takes(arg, TOKENIZER_MODE) for arg in options.vllm_args):
+        note = (
+            f"added {TOKENIZER_MODE} mistral: {options.model} has Mistral's own tokenizer but no consolidated*"
+            ".safetensors, so vLLM's auto mode would pick the HF tokenizer the source did not use "
+            f"(pass -- {TOKENIZER_MODE} hf to keep that one)"
+        )
+        return RepoNeeds(warnings=(note,), vllm_args=(TOKENIZER_MODE, "mistral"))
+    return RepoNeeds(warnings=(), vllm_args=())

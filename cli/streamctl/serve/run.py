@@ -74,7 +74,7 @@ def prepare_launch(
 
     def plan_for(chosen: ServeOptions) -> LaunchPlan:
         plan = plan_launch(
-            chosen,
+            replace(chosen, vllm_args=checked.vllm_args + chosen.vllm_args),
             checked.facts,
             sharded=checked.sharded,
             environ=environ,
