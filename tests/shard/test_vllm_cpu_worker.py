@@ -273,6 +273,44 @@ def test_multimodal_models_build_with_the_shims(written: dict[str, Any]) -> None
     assert vision and all(t["layer"] == 0 for t in vision)
 
 
+TRITON_CHECK = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("shims", sys.argv[1])
+shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+import vllm, vllm.triton_utils as triton_utils
+from vllm.config import VllmConfig
+try:
+    VllmConfig()  # the CPU platform's check_and_update_config runs here
+    before = "configured"
+except RuntimeError as error:
+    before = str(error)
+installed = shims.install()
+VllmConfig()
+print(json.dumps({"version": vllm.__version__, "before": before, "installed": installed,
+                  "has_triton": triton_utils.HAS_TRITON}))
+"""
+
+
+def test_the_triton_stand_in_is_only_for_the_configuration_check() -> None:
+    """vLLM 0.34 refuses to configure its CPU platform on x86 without triton-cpu (not published); the stand-in
+    lets that one check pass, on 0.34 and later only, and leaves HAS_TRITON false for everything else (0.33
+    configures without it and gets no stand-in)."""
+    python = oracle_python()
+    assert python
+    shims = CLI_DIR / "streamctl" / "shard" / "vllm_shims.py"
+    environment = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+    done = subprocess.run(
+        [python, "-c", TRITON_CHECK, str(shims)], capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    verdict = json.loads(done.stdout.strip().splitlines()[-1])
+    assert verdict["has_triton"] is False
+    release = tuple(int(part) for part in verdict["version"].split(".")[:2])
+    needed = release >= (0, 34)
+    assert ("triton" in verdict["before"]) is needed, verdict  # vLLM's own refusal, without the stand-in
+    assert ("triton (the CPU platform's configuration check)" in verdict["installed"]) is needed, verdict
+
+
 SHIM_CALL = """
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("shims", sys.argv[1])

@@ -10,6 +10,10 @@ by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_o
   __init__ on the CPU platform (vllm/model_executor/layers/activation.py, vLLM 0.33: QuickGELU -> gelu_quick
   (Qwen2-VL's vision MLP), NewGELU -> gelu_new, FastGELU -> gelu_fast). Each missing one is defined with
   torch.library; its implementation raises ShimCalled.
+- Triton: vLLM 0.34's CPU platform refuses to configure on x86 without triton-cpu ("vLLM on x86 CPUs requires
+  Triton (triton-cpu)", platforms/cpu.py `check_and_update_config`): its new CPU model runner compiles Triton
+  kernels to RUN. triton-cpu is not published; building and loading weights never compiles a kernel, so that
+  one check sees Triton present while it runs (TRITON_FOR_CONFIG), and nowhere else.
 - vLLM inspects a model class in a subprocess (model_executor/models/registry.py `_run_in_subprocess`, there
   only to keep CUDA uninitialised) that would not see these stand-ins: `install()` runs it in this process.
 """
@@ -25,6 +29,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 TORCHVISION = "torchvision"
+TRITON_FOR_CONFIG = "triton (the CPU platform's configuration check)"
+TRITON_REQUIRED_FROM = (0, 34)  # 0.33's check_and_update_config warns "Triton is not installed"; 0.34's raises
 # The torch.ops._C ops vLLM 0.33's CPU __init__ paths look up (activation.py); only the missing ones are defined.
 C_OPS: dict[str, str] = {
     "gelu_quick": "gelu_quick(Tensor(a!) out, Tensor input) -> ()",
@@ -114,6 +120,31 @@ def _install_c_ops() -> list[str]:
     return [f"torch.ops._C.{name}" for name in missing]
 
 
+def _configure_without_triton() -> bool:
+    """Let the CPU platform's configuration check pass without triton-cpu (vLLM >= 0.34 on x86), for the
+    duration of that check only; False where it already passes (0.33 only warns; or Triton is installed)."""
+    import vllm
+    import vllm.triton_utils as triton_utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    check = CpuPlatform.check_and_update_config
+    release = tuple(int(part) for part in vllm.__version__.split("+")[0].split(".")[:2] if part.isdigit())
+    if release < TRITON_REQUIRED_FROM or triton_utils.HAS_TRITON or getattr(check, "_streamctl_shim", False):
+        return bool(getattr(check, "_streamctl_shim", False))
+    source = getattr(check, "__func__", check)
+
+    def check_as_built(cls: Any, vllm_config: Any) -> None:
+        triton_utils.HAS_TRITON = True  # read by `from vllm.triton_utils import HAS_TRITON` inside the check
+        try:
+            source(cls, vllm_config)
+        finally:
+            triton_utils.HAS_TRITON = False
+
+    check_as_built._streamctl_shim = True  # type: ignore[attr-defined]
+    CpuPlatform.check_and_update_config = classmethod(check_as_built)  # type: ignore[method-assign,assignment,unused-ignore]
+    return True
+
+
 def _inspect_in_process() -> None:
     from vllm.model_executor.models import registry
 
@@ -129,6 +160,8 @@ def install() -> list[str]:
         if _install_torchvision():
             _INSTALLED.append(TORCHVISION)
         _INSTALLED.extend(_install_c_ops())
+        if _configure_without_triton():
+            _INSTALLED.append(TRITON_FOR_CONFIG)
         _inspect_in_process()
         _INSTALLED.append("")  # marks "done" even when nothing was missing
     return [name for name in _INSTALLED if name]
