@@ -45,18 +45,14 @@ def _object(value: object) -> dict[str, Any]:
     return value
 
 
-def _opt(document: Mapping[str, Any], key: str, kind: type | tuple[type, ...]) -> Any:
-    """`document[key]` when it is of `kind` or null, None when absent; bools are never ints here."""
+def _opt(document: Mapping[str, Any], key: str, kind: type) -> Any:
+    """`document[key]` when it is a `kind`, None when it is absent or null; a bool is never an int here."""
     value = document.get(key)
     if value is None:
         return None
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _kinds(kind)):
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise _BadShape
     return value
-
-
-def _kinds(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
 
 
 def _list(document: Mapping[str, Any], key: str) -> list[Any] | None:
@@ -356,16 +352,13 @@ class ShardManifest:
         incomplete one) or was `created` (the completed one)."""
         now = _now()
         started = self.complete is False
-        return replace(self, tool=TOOL, version=__version__, created=None if started else now, started=now if started else None)
+        return replace(
+            self, tool=TOOL, version=__version__, created=None if started else now, started=now if started else None
+        )
 
     def to_json(self) -> dict[str, Any]:
-        kind = {
-            "complete": self.complete,
-            "source": self.source,
-            "engine": self.engine,
-        }
-        if self.complete is None:
-            del kind["complete"]
+        kind = {"complete": self.complete} if self.complete is not None else {}
+        kind |= {"source": self.source, "engine": self.engine}
         parallel = {
             "tensor_parallel_size": self.tensor_parallel_size,
             "pipeline_parallel_size": self.pipeline_parallel_size,

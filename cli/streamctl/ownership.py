@@ -62,7 +62,7 @@ def written_by_streamctl(manifests: DestManifests, existing: Iterable[str]) -> s
     from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     names = set(existing)
-    ours = manifests.present & names
+    ours = set(manifests.present & names)
     for manifest in manifests.all():
         ours |= manifest_paths(manifest) & names
     pattern = manifests.shard.pattern if manifests.shard is not None else None

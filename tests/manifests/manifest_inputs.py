@@ -20,7 +20,7 @@ class FixedClock(datetime):
     """datetime with `now()` fixed at NOW (what the writers call for their stamp)."""
 
     @classmethod
-    def now(cls, tz: Any = None) -> FixedClock:  # type: ignore[override]
+    def now(cls, tz: Any = None) -> FixedClock:
         return cls.fromtimestamp(NOW.timestamp(), tz)
 
 

@@ -94,8 +94,11 @@ def test_a_shard_run_writes_the_completed_manifest_it_wrote_before(label: str) -
 
 @pytest.mark.parametrize("name", sorted(path.stem for path in GOLDEN.glob("*.json")))
 def test_what_streamctl_wrote_reads_back_and_writes_the_same_bytes(name: str) -> None:
-    kind: type[TransferManifest] | type[ShardManifest] = ShardManifest if name.startswith("shard") else TransferManifest
-    manifest = parse_manifest(kind, golden(name))
+    manifest: TransferManifest | ShardManifest | None
+    if name.startswith("shard"):
+        manifest = parse_manifest(ShardManifest, golden(name))
+    else:
+        manifest = parse_manifest(TransferManifest, golden(name))
     assert manifest is not None
     assert manifest_body(manifest) == golden(name)
 
@@ -202,7 +205,12 @@ def test_an_oversize_manifest_is_unreadable_and_never_read(tmp_path: Path, monke
     assert read.shard == ShardManifest(complete=True) and read.transfer is not None and read.transfer.source == "s"
     reads: list[str] = []
     original = dest.store.read_range
-    monkeypatch.setattr(dest.store, "read_range", lambda key, *rest: reads.append(key) or original(key, *rest))
+
+    def counted(key: str, *rest: Any) -> bytes:
+        reads.append(key)
+        return original(key, *rest)
+
+    monkeypatch.setattr(dest.store, "read_range", counted)
     listed = read_dest_manifests(dest, {SHARD_MANIFEST_NAME: MAX_MANIFEST_BYTES + 1, "config.json": 2})
     assert listed == DestManifests(frozenset({SHARD_MANIFEST_NAME})) and reads == []
 
@@ -240,6 +248,8 @@ def test_every_path_a_manifest_names_is_streamctls() -> None:
     assert set(inputs.WORKER_PLAN) <= manifest_paths(worker) and "stale.bin" in manifest_paths(worker)
     unsafe = TransferManifest("s", None, (FileEntry("../outside"), FileEntry("/abs")), ("ok.bin",))
     assert manifest_paths(unsafe) == {"ok.bin"}
-    found = DestManifests(frozenset({MANIFEST_NAME, SHARD_MANIFEST_NAME}), None, ShardManifest(False, pattern=inputs.PATTERN))
+    found = DestManifests(
+        frozenset({MANIFEST_NAME, SHARD_MANIFEST_NAME}), None, ShardManifest(False, pattern=inputs.PATTERN)
+    )
     existing = [MANIFEST_NAME, SHARD_MANIFEST_NAME, "model-rank-3-part-0.safetensors", "mine.txt"]
     assert written_by_streamctl(found, existing) == set(existing) - {"mine.txt"}

@@ -3,7 +3,6 @@ a tokenizer, and sub-folders it would pull for nothing; and whether a `transfer 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 from streamctl.checkpoint.files import (

@@ -3,7 +3,6 @@ rank and part present once, the same tensors on the TP ranks of a stage, and a `
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
