@@ -357,7 +357,7 @@ class ShardManifest:
         )
 
     def to_json(self) -> dict[str, Any]:
-        kind = {"complete": self.complete} if self.complete is not None else {}
+        kind: dict[str, Any] = {"complete": self.complete} if self.complete is not None else {}
         kind |= {"source": self.source, "engine": self.engine}
         parallel = {
             "tensor_parallel_size": self.tensor_parallel_size,
