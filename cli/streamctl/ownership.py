@@ -13,18 +13,14 @@ can be one the run reads.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.errors import StreamctlError
+from streamctl.manifests import DestManifests, Manifest, ShardManifest
 from streamctl.progress import Progress
 from streamctl.storage.base import ListingNote, Location, is_safe_relative_path
 
-MANIFEST_NAMES = (MANIFEST_NAME, SHARD_MANIFEST_NAME)
-MAX_MANIFEST_BYTES = 100_000_000  # shard manifests list every tensor of every rank
 NOT_STREAMCTL = "not written by streamctl"
 EARLIER_RUN = "written by an earlier streamctl run; --force removes it"
 
@@ -52,72 +48,29 @@ class Cleanup:
         return tuple(item.path for item in self.left_alone if item.streamctl)
 
 
-def read_manifests(dest: Location, sizes: Mapping[str, int]) -> dict[str, dict[str, Any] | None]:
-    """The streamctl manifests at the top of DEST, by name (None: present but not a readable JSON object)."""
-    found: dict[str, dict[str, Any] | None] = {}
-    for name in MANIFEST_NAMES:
-        size = sizes.get(name)
-        if size is None:
-            continue
-        document = None
-        if size <= MAX_MANIFEST_BYTES:
-            raw = dest.store.read_range(dest.key(name), 0, size)
-            try:
-                value = json.loads(raw)
-            except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: not ours
-                value = None
-            document = value if isinstance(value, dict) else None
-        found[name] = document
-    return found
-
-
-def shard_run_incomplete(document: Mapping[str, Any] | None) -> bool:
-    """Whether a shard manifest (None: present but unreadable) says its run never completed. `shard` writes it
-    with `"complete": false` first and the completed one last; manifests of versions before that flag were
-    written only at the end, so one without the key is complete."""
-    return document is None or document.get("complete") is False
-
-
-def manifest_paths(document: Mapping[str, Any]) -> set[str]:
+def manifest_paths(manifest: Manifest) -> set[str]:
     """Every path a manifest names: copied files, rank files, planned files and older files it carries."""
-    paths: set[str] = set()
-
-    def add(value: object) -> None:
-        path = value.get("path") if isinstance(value, dict) else value
-        if isinstance(path, str) and is_safe_relative_path(path):
-            paths.add(path)
-
-    for key in ("files", "planned", "older_files"):
-        items = document.get(key)
-        for item in items if isinstance(items, list) else ():
-            add(item)
-    ranks = document.get("ranks")
-    for rank in ranks if isinstance(ranks, list) else ():
-        files = rank.get("files") if isinstance(rank, dict) else None
-        for item in files if isinstance(files, list) else ():
-            add(item)
-    return paths
+    paths = [file.path for file in manifest.files]
+    paths += [*(manifest.planned or ()), *manifest.older_files]
+    if isinstance(manifest, ShardManifest):
+        paths += [file.path for rank in manifest.ranks for file in rank.files]
+    return {path for path in paths if is_safe_relative_path(path)}
 
 
-def written_by_streamctl(manifests: Mapping[str, Mapping[str, Any] | None], existing: Iterable[str]) -> set[str]:
+def written_by_streamctl(manifests: DestManifests, existing: Iterable[str]) -> set[str]:
     """Which of DEST's files the manifests found there say streamctl wrote, the manifests included."""
     from streamctl.checkpoint.sharded_names import parse_sharded_name
 
     names = set(existing)
-    ours = set(manifests) & names
-    patterns: list[str] = []
-    for name, document in manifests.items():
-        if document is None:
-            continue
-        ours |= manifest_paths(document) & names
-        pattern = document.get("pattern")
-        if name == SHARD_MANIFEST_NAME and isinstance(pattern, str):
-            patterns.append(pattern)
-    for pattern in patterns:
+    ours = set(manifests.present & names)
+    for manifest in manifests.all():
+        ours |= manifest_paths(manifest) & names
+    pattern = manifests.shard.pattern if manifests.shard is not None else None
+    if pattern is not None:
         try:
             ours |= {name for name in names if parse_sharded_name(pattern, name) is not None}
         except StreamctlError:
-            continue  # a pattern this version cannot parse names nothing
+            pass  # a pattern this version cannot parse names nothing
     return ours
 
 

@@ -17,15 +17,20 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
 
-from streamctl import __version__
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, UsageError
+from streamctl.manifests import (
+    FileEntry,
+    TransferManifest,
+    Workers,
+    body_metadata,
+    is_complete,
+    manifest_body,
+    parse_manifest,
+)
 from streamctl.storage.base import Location
-from streamctl.uploads import SHA256_KEY
 
 MAX_WORKERS = 10_000  # a Kubernetes Indexed Job allows up to 100,000 completions; far beyond any model's files
 _WORKER = re.compile(r"\s*([0-9]+)\s*/\s*([0-9]+)\s*")
@@ -77,15 +82,15 @@ def plan_digest(source: str, commit: str | None, files: Sequence[tuple[str, int]
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def manifest_incomplete(document: Mapping[str, Any]) -> str | None:
-    """Why a transfer manifest does not describe a finished copy (None when it does): only `--worker` runs
-    write `"complete": false`; manifests without the key were written at the end of a whole run."""
-    if document.get("complete") is not False:
+def manifest_incomplete(manifest: TransferManifest) -> str | None:
+    """Why a transfer manifest does not describe a finished copy (None when it does, see
+    streamctl.manifests.is_complete): only `--worker` runs write `"complete": false`."""
+    if is_complete(manifest):
         return None
-    workers = document.get("workers")
-    count = workers.get("count") if isinstance(workers, dict) else None
-    finished = workers.get("finished") if isinstance(workers, dict) else None
-    if not isinstance(count, int) or not isinstance(finished, list):
+    workers = manifest.workers
+    count = workers.count if workers is not None else None
+    finished = workers.finished if workers is not None else None
+    if count is None or finished is None:
         return "a `--worker` copy has not finished every share"
     missing = [index for index in range(count) if index not in finished]
     shown = ", ".join(f"{index}/{count}" for index in missing[:10]) + (", ..." if len(missing) > 10 else "")
@@ -131,83 +136,85 @@ class ShareRecord:
         }
 
 
-def _complete_copy_of(stored: Mapping[str, Any] | None, fields: Mapping[str, Any]) -> bool:
+@dataclass(frozen=True)
+class ShareFields:
+    """What a worker records of its share: the copy's source and commit, this share's files (as the manifest
+    lists them), the older streamctl files left in DEST, what --force removes once every share is in, every
+    planned path (in the plan's order), and whether --force was given."""
+
+    source: str
+    commit: str | None
+    files: tuple[FileEntry, ...]
+    older_files: tuple[str, ...]
+    to_remove: tuple[str, ...]
+    plan_order: tuple[str, ...]
+    force: bool = False
+
+
+def _complete_copy_of(stored: TransferManifest | None, fields: ShareFields) -> bool:
     """Whether `stored` is a complete manifest of this source and commit naming every planned path."""
-    if stored is None or stored.get("complete") is False:
+    if stored is None or not is_complete(stored):
         return False
-    if stored.get("source") != fields["source"] or stored.get("commit") != fields["commit"]:
+    if stored.source != fields.source or stored.commit != fields.commit:
         return False
-    files = stored.get("files")
-    paths = {item.get("path") for item in files if isinstance(item, dict)} if isinstance(files, list) else set()
-    return set(fields["plan_order"]) <= paths
+    return set(fields.plan_order) <= {file.path for file in stored.files}
 
 
-def _older_files(stored: Mapping[str, Any] | None, fields: Mapping[str, Any], complete: bool) -> list[str]:
+def _older_files(stored: TransferManifest | None, fields: ShareFields, complete: bool) -> tuple[str, ...]:
     """Files of earlier runs the manifest keeps naming (a later --force removes them): those of every share's
     plan, and what --force is to remove until the worker completing the manifest has removed it."""
-    kept = stored.get("older_files") if stored is not None else None
-    older = {path for path in kept if isinstance(path, str)} if isinstance(kept, list) else set()
-    older |= set(fields["older_files"])
-    to_remove = set(fields["to_remove"])
+    older = set(stored.older_files) if stored is not None else set()
+    older |= set(fields.older_files)
+    to_remove = set(fields.to_remove)
     older = older - to_remove if complete else older | to_remove
-    return sorted(older - set(fields["plan_order"]))
+    return tuple(sorted(older - set(fields.plan_order)))
 
 
 def _merged(
-    stored: Mapping[str, Any] | None, fields: Mapping[str, Any], worker: Worker, digest: str
-) -> tuple[dict[str, Any], ShareRecord]:
+    stored: TransferManifest | None, fields: ShareFields, worker: Worker, digest: str
+) -> tuple[TransferManifest, ShareRecord]:
     """The manifest with this share's files in: the stored one's shares kept when it is of this very plan."""
-    workers = stored.get("workers") if stored is not None else None
-    same = isinstance(workers, dict) and workers.get("plan") == digest and workers.get("count") == worker.count
-    finished_before: list[Any] = workers.get("finished", []) if same and isinstance(workers, dict) else []
-    files_before: list[Any] = stored.get("files", []) if same and stored is not None else []
-    if not isinstance(finished_before, list) or not isinstance(files_before, list):
-        finished_before, files_before = [], []  # not what this version writes: start the record again
-    whole = not same and not fields.get("force") and _complete_copy_of(stored, fields)
-    if whole:
+    workers = stored.workers if stored is not None else None
+    same = workers is not None and workers.plan == digest and workers.count == worker.count
+    finished_before: Sequence[int] = (workers.finished or ()) if same and workers is not None else ()
+    files_before: Sequence[FileEntry] = stored.files if same and stored is not None else ()
+    whole = not same and not fields.force and _complete_copy_of(stored, fields)
+    if whole and stored is not None:
         # A whole run (or an earlier split) already copied this plan: a worker re-running keeps it complete
         # (not with --force: then every share copies its files again, and the record starts again).
-        finished_before, files_before = list(range(worker.count)), stored["files"]  # type: ignore[index]
-    by_path = {item["path"]: item for item in files_before if isinstance(item, dict) and "path" in item}
-    by_path.update({item["path"]: item for item in fields["files"]})
-    order = fields["plan_order"]
-    files = [by_path[path] for path in order if path in by_path]
-    finished = sorted({index for index in finished_before if isinstance(index, int)} | {worker.index})
-    record = ShareRecord(tuple(finished), worker.count, restarted=isinstance(workers, dict) and not same and not whole)
-    document = {
-        "tool": "streamctl",
-        "version": __version__,
-        "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "source": fields["source"],
-        "commit": fields["commit"],
-        "files": files,
-        "older_files": _older_files(stored if same else None, fields, record.complete),
-        "complete": record.complete,
-        "workers": {"count": worker.count, "plan": digest, "finished": finished},
-    }
-    if not record.complete:
-        # Every file of the plan may be in DEST already (a share killed after some): a later --force sees them
-        # as streamctl's (streamctl.ownership.manifest_paths reads "planned", as for `shard`).
-        document["planned"] = list(order)
-    return document, record
+        finished_before, files_before = range(worker.count), stored.files
+    by_path = {item.path: item for item in files_before}
+    by_path.update({item.path: item for item in fields.files})
+    order = fields.plan_order
+    files = tuple(by_path[path] for path in order if path in by_path)
+    finished = tuple(sorted({*finished_before, worker.index}))
+    record = ShareRecord(finished, worker.count, restarted=workers is not None and not same and not whole)
+    manifest = TransferManifest(
+        source=fields.source,
+        commit=fields.commit,
+        files=files,
+        older_files=_older_files(stored if same else None, fields, record.complete),
+        complete=record.complete,
+        workers=Workers(worker.count, digest, finished),
+        # Every file of the plan may be in DEST already (a share killed after some): a later --force sees
+        # them as streamctl's (streamctl.ownership.manifest_paths reads "planned", as for `shard`).
+        planned=None if record.complete else order,
+    )
+    return manifest.stamped(), record
 
 
-def _read(dest: Location, key: str) -> tuple[dict[str, Any] | None, str | None]:
+def _read(dest: Location, key: str) -> tuple[TransferManifest | None, str | None]:
     try:
         data, version = dest.store.read_versioned(key)
     except NotFoundError:
         return None, None
-    try:
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # nested too deep: not one we wrote
-        document = None
-    return (document if isinstance(document, dict) else None), version
+    return parse_manifest(TransferManifest, data), version  # None: not one this version can read
 
 
 def record_share(
     dest: Location,
     name: str,
-    fields: Mapping[str, Any],
+    fields: ShareFields,
     worker: Worker,
     digest: str,
     before_complete: Callable[[], None] = lambda: None,
@@ -215,17 +222,16 @@ def record_share(
 ) -> ShareRecord:
     """Merge this worker's share into the manifest `name` of `dest`, conditionally (see the module's doc).
 
-    `fields`: source, commit, files (this share's, as manifest entries), older_files, to_remove (what --force
-    removes once every share is in), plan_order (every planned path, in the plan's order), force (optional). `before_complete` runs before the write that completes the manifest (what
-    --force removes), `before_write` before every write (the lease's guard)."""
+    `before_complete` runs before the write that completes the manifest (what --force removes), `before_write`
+    before every write (the lease's guard)."""
     key = dest.key(name)
     for _ in range(_RECORD_ATTEMPTS):
         stored, version = _read(dest, key)
-        document, record = _merged(stored, fields, worker, digest)
+        manifest, record = _merged(stored, fields, worker, digest)
         if record.complete:
             before_complete()
-        body = json.dumps(document, indent=2).encode() + b"\n"
-        metadata = {SHA256_KEY: hashlib.sha256(body).hexdigest()}
+        body = manifest_body(manifest)
+        metadata = body_metadata(body)
         before_write()
         try:
             if version is None:

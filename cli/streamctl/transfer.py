@@ -61,17 +61,11 @@ from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.lease import Lease, hold_lease, lease_name
 from streamctl.limits import MAX_CONCURRENCY, check_count
 from streamctl.locations import check_disjoint
-from streamctl.ownership import (
-    Cleanup,
-    plan_cleanup,
-    read_manifests,
-    remove_files,
-    unfollowed_links,
-    written_by_streamctl,
-)
+from streamctl.manifests import DestManifests, FileEntry, TransferManifest, put_manifest, read_dest_manifests
+from streamctl.ownership import Cleanup, plan_cleanup, remove_files, unfollowed_links, written_by_streamctl
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.shares import Share, ShareRecord, Worker, record_share, split_shares, take_share
+from streamctl.shares import Share, ShareFields, ShareRecord, Worker, record_share, split_shares, take_share
 from streamctl.storage import deadlines
 from streamctl.storage.base import (
     HeldPart,
@@ -97,7 +91,6 @@ from streamctl.uploads import (
     part_size_for,
     part_size_note,
     resume_token,
-    write_manifest,
 )
 
 if TYPE_CHECKING:
@@ -287,24 +280,24 @@ def _read_json(location: Location, path: str, size: int) -> object:
 
 def _check_manifest(
     dest: Location,
-    manifests: Mapping[str, dict[str, object] | None],
+    manifests: DestManifests,
     source: str,
     commit: str | None,
     selected: set[str],
 ) -> None:
     """UsageError when DEST holds what another source (or `shard`) wrote; `selected` are the files to copy
     (a sharded checkpoint's own shard manifest travels with it)."""
-    if SHARD_MANIFEST_NAME in manifests and SHARD_MANIFEST_NAME not in selected:
-        shard = manifests[SHARD_MANIFEST_NAME] or {}
+    if SHARD_MANIFEST_NAME in manifests.present and SHARD_MANIFEST_NAME not in selected:
+        shard_source = manifests.shard.source if manifests.shard is not None else None
         raise UsageError(
-            f"{dest.url} holds a sharded checkpoint that `streamctl shard` wrote (of {shard.get('source')})",
+            f"{dest.url} holds a sharded checkpoint that `streamctl shard` wrote (of {shard_source})",
             hint="choose another destination prefix, or pass --force to replace what streamctl wrote there",
         )
-    manifest = manifests.get(MANIFEST_NAME)
+    manifest = manifests.transfer
     if manifest is None:
         return
-    if manifest.get("source") != source or manifest.get("commit") != commit:
-        held = f"{manifest.get('source')}" + (f"@{manifest['commit']}" if manifest.get("commit") else "")
+    if manifest.source != source or manifest.commit != commit:
+        held = f"{manifest.source}" + (f"@{manifest.commit}" if manifest.commit else "")
         raise UsageError(
             f"{dest.url} already holds {held}, not {source}" + (f"@{commit}" if commit else ""),
             hint="choose another destination prefix, or pass --force to overwrite it",
@@ -428,7 +421,7 @@ def plan_transfer(
         index_contents=index_contents,
     )
     existing = list_dest(dest)
-    manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
+    manifests = read_dest_manifests(dest, {name: info.size for name, info in existing.items()})
     if not options.force:
         _check_manifest(dest, manifests, source_id, commit, {s.path for s in selections if s.selected})
     dest_notes = listing_notes(dest)  # one scan for both uses below (a bucket DEST: its folder markers only)
@@ -803,14 +796,14 @@ class _Engine:
             self.progress.log(f"left {len(uploads)} unfinished upload(s) for the next run to resume: {shown}")
 
 
-def _manifest_fields(plan: TransferPlan, files: tuple[CopiedFile, ...]) -> dict[str, object]:
-    return {
-        "source": plan.source,
-        "commit": plan.commit,
-        "files": [{"path": f.path, "size": f.size, "sha256": f.sha256} for f in files],
-        # Files earlier streamctl runs wrote here that this one left (no --force): a later --force removes them.
-        "older_files": list(plan.cleanup.older_files),
-    }
+def transfer_manifest(plan: TransferPlan, files: tuple[CopiedFile, ...]) -> TransferManifest:
+    """A whole run's manifest: what it copied (or found already right), and the files earlier streamctl runs
+    wrote here that this one left (no --force): a later --force removes them."""
+    return TransferManifest(plan.source, plan.commit, _entries(files), plan.cleanup.older_files).stamped()
+
+
+def _entries(files: Sequence[CopiedFile]) -> tuple[FileEntry, ...]:
+    return tuple(FileEntry(file.path, file.size, file.sha256) for file in files)
 
 
 def _finish(
@@ -821,7 +814,7 @@ def _finish(
     if plan.share is None:
         gone = remove_files(dest, plan.cleanup.to_remove, progress)  # only now that the new files are complete
         lease.ensure_held()  # after this renewal nobody can take DEST over before the manifest is written
-        write_manifest(dest, MANIFEST_NAME, _manifest_fields(plan, files))
+        put_manifest(dest, transfer_manifest(plan, files))
         return gone, None
     removed: tuple[str, ...] = ()
 
@@ -829,8 +822,10 @@ def _finish(
         nonlocal removed
         removed = remove_files(dest, plan.cleanup.to_remove, progress)
 
-    fields = {**_manifest_fields(plan, files), "plan_order": plan.share.planned}
-    fields.update(to_remove=plan.cleanup.to_remove, force=force)
+    cleanup = plan.cleanup
+    fields = ShareFields(
+        plan.source, plan.commit, _entries(files), cleanup.older_files, cleanup.to_remove, plan.share.planned, force
+    )
     lease.ensure_held()
     record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
                           remove_replaced, lease.guard_commit)  # fmt: skip
@@ -864,7 +859,7 @@ def execute_transfer(
         if not options.force:
             # Planning ran before the lease: another run may have finished writing here since.
             existing = list_dest(dest)
-            manifests = read_manifests(dest, {name: info.size for name, info in existing.items()})
+            manifests = read_dest_manifests(dest, {name: info.size for name, info in existing.items()})
             planned = set(plan.share.planned) if plan.share else {file.path for file in plan.files}
             _check_manifest(dest, manifests, plan.source, plan.commit, planned)
         return _execute_transfer(plan, source, dest, options, progress, lease)

@@ -1,5 +1,5 @@
-"""What the writing verbs (transfer, shard) share: the byte budget, part sizing, DEST listing, small JSON
-puts and the manifest write, and the discarding of uploads a killed earlier run left unfinished."""
+"""What the writing verbs (transfer, shard) share: the byte budget, part sizing, DEST listing, and the
+discarding of uploads a killed earlier run left unfinished (their manifests: streamctl.manifests)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import math
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Literal
 
-from streamctl import __version__
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.sizes import binary_size
@@ -150,19 +149,6 @@ def list_dest(dest: Location) -> dict[str, ObjectInfo]:
         if dest.store.scheme == "file":
             return {}  # a local folder is created on the first write
         raise
-
-
-def put_json(location: Location, name: str, document: object) -> None:
-    """Write a small JSON document (a manifest) with its sha256 as metadata, like every object we write."""
-    body = json.dumps(document, indent=2).encode() + b"\n"
-    location.store.put(location.key(name), body, {SHA256_KEY: hashlib.sha256(body).hexdigest()})
-
-
-def write_manifest(dest: Location, name: str, fields: Mapping[str, object], *, stamp: str = "created") -> None:
-    """Write a streamctl manifest in one put: who wrote it (tool, version) and when (under `stamp`), then
-    the verb's own `fields`."""
-    now = datetime.now(UTC).isoformat(timespec="seconds")
-    put_json(dest, name, {"tool": "streamctl", "version": __version__, stamp: now, **fields})
 
 
 def discard_unfinished_uploads(

@@ -264,7 +264,8 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
 ) -> None:
     """The conditional create/replace of storage.base: of racing workers each one's share goes in once, and
     exactly one of them sees the manifest complete (that one removes what --force replaces)."""
-    from streamctl.shares import Worker, record_share
+    from streamctl.manifests import FileEntry
+    from streamctl.shares import ShareFields, Worker, record_share
 
     dest = open_location(request.getfixturevalue(root))
     count = 6
@@ -273,10 +274,7 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
     barrier = threading.Barrier(count)
 
     def record(index: int) -> None:
-        fields = {
-            "source": "hf://org/race", "commit": None, "older_files": [], "to_remove": (), "plan_order": order,
-            "files": [{"path": order[index], "size": index, "sha256": "0" * 64}],
-        }  # fmt: skip
+        fields = ShareFields("hf://org/race", None, (FileEntry(order[index], index, "0" * 64),), (), (), order)
         barrier.wait()
         record_share(dest, MANIFEST_NAME, fields, Worker(index, count), "d" * 32, lambda: completions.append(index))
 

@@ -5,20 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, listing_notes
 from streamctl.checkpoint.sharded_names import parse_sharded_name
 from streamctl.errors import UsageError
-from streamctl.ownership import (
-    Cleanup,
-    plan_cleanup,
-    read_manifests,
-    shard_run_incomplete,
-    unfollowed_links,
-    written_by_streamctl,
-)
-from streamctl.shard.plan import ShardPlan
+from streamctl.manifests import DestManifests, ShardManifest, SourceFile, TensorEntry, is_complete, read_dest_manifests
+from streamctl.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
+from streamctl.shard.plan import PlannedFile, ShardPlan
 from streamctl.storage.base import LEASE_NAME, Location, ObjectInfo
 from streamctl.storage.names import check_names_fit
 from streamctl.uploads import SHA256_KEY, list_dest
@@ -30,12 +23,12 @@ class _DestState:
     """One listing of DEST and the streamctl manifests in it, read once per decision about DEST."""
 
     existing: dict[str, ObjectInfo]
-    manifests: dict[str, dict[str, Any] | None]
+    manifests: DestManifests
 
 
 def _read_dest(dest: Location) -> _DestState:
     existing = list_dest(dest)
-    return _DestState(existing, read_manifests(dest, {name: info.size for name, info in existing.items()}))
+    return _DestState(existing, read_dest_manifests(dest, {name: info.size for name, info in existing.items()}))
 
 
 @dataclass(frozen=True)
@@ -54,16 +47,16 @@ class RunKind:
     def of(cls, plan: ShardPlan) -> RunKind:
         return cls(plan.source, plan.engine, plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.pattern)
 
-    def left(self, manifest: Mapping[str, Any] | None) -> bool:
+    def left(self, manifest: ShardManifest | None) -> bool:
         """Whether `manifest` (DEST's shard manifest) is that of an unfinished run of this kind."""
         return (
             manifest is not None
-            and manifest.get("complete") is False
-            and manifest.get("source") == self.source
-            and manifest.get("engine") == self.engine
-            and manifest.get("tensor_parallel_size") == self.tensor_parallel_size
-            and manifest.get("pipeline_parallel_size") == self.pipeline_parallel_size
-            and manifest.get("pattern") == self.pattern
+            and not is_complete(manifest)
+            and manifest.source == self.source
+            and manifest.engine == self.engine
+            and manifest.tensor_parallel_size == self.tensor_parallel_size
+            and manifest.pipeline_parallel_size == self.pipeline_parallel_size
+            and manifest.pattern == self.pattern
         )
 
 
@@ -80,7 +73,7 @@ def check_dest(
     an unfinished run of `kind` left is treated as with --force: this run finishes what that one began."""
     state = state or _read_dest(dest)
     existing, manifests = state.existing, state.manifests
-    if kind is not None and kind.left(manifests.get(SHARD_MANIFEST_NAME)):
+    if kind is not None and kind.left(manifests.shard):
         force = True
     candidates = [*existing, *unfollowed_links(listing_notes(dest))]
     written_before = written_by_streamctl(manifests, candidates)
@@ -95,7 +88,7 @@ def check_dest(
             hint=(
                 "these look like an interrupted shard run (its manifest is missing or incomplete); "
                 "pass --force to write them again"
-                if _looks_interrupted(existing, manifests.get(SHARD_MANIFEST_NAME), own_output)
+                if _looks_interrupted(existing, manifests.shard, own_output)
                 else "choose an empty destination, or pass --force to replace what streamctl wrote there"
             ),
         )
@@ -110,19 +103,18 @@ def refuse_unusable_dest_early(dest: Location, pattern: str, writes: set[str], f
     if force:
         return
     state = _read_dest(dest)
-    manifest = state.manifests.get(SHARD_MANIFEST_NAME)
-    if not state.existing or (manifest is not None and not shard_run_incomplete(manifest)):
+    if not state.existing or is_complete(state.manifests.shard):
         return
     check_dest(dest, pattern, writes, force, state, kind)
 
 
 def _looks_interrupted(
-    existing: Mapping[str, ObjectInfo], manifest: Mapping[str, Any] | None, own_output: Callable[[str], bool]
+    existing: Mapping[str, ObjectInfo], manifest: ShardManifest | None, own_output: Callable[[str], bool]
 ) -> bool:
     """A shard run that did not finish: its manifest says so, or there is none and DEST holds rank files of
     our pattern (a folder holding only other things, a Hugging Face checkpoint say, is not one)."""
     if SHARD_MANIFEST_NAME in existing:
-        return shard_run_incomplete(manifest)
+        return not is_complete(manifest)  # None here: present but unreadable
     return any(own_output(name) for name in existing)
 
 
@@ -151,19 +143,10 @@ def plan_dest(dest: Location, plan: ShardPlan, force: bool) -> ShardPlan:
     return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone, reused=rerun)
 
 
-def _planned_ranks(plan: ShardPlan) -> list[dict[str, Any]]:
-    """The rank files of `plan` as the manifest lists them, without the sha256 only writing learns."""
-    return [
-        {
-            "path": file.name,
-            "pp_rank": file.pp_rank,
-            "tp_rank": file.tp_rank,
-            "part": file.part,
-            "size": file.size,
-            "tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in file.tensors],
-        }
-        for file in plan.files()
-    ]
+def _planned_entry(file: PlannedFile) -> tuple[object, ...]:
+    """A planned rank file as the manifest records it, without the sha256 only writing learns."""
+    tensors = tuple(TensorEntry(tensor.name, tensor.dtype, tuple(tensor.shape)) for tensor in file.tensors)
+    return (file.pp_rank, file.tp_rank, file.part, file.size, tensors)
 
 
 def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dict[str, str] | None:
@@ -171,48 +154,42 @@ def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dic
     files: the rank files still there with the planned size and the manifest's sha256 (path -> sha256,
     possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
     existing = state.existing
-    manifest = state.manifests.get(SHARD_MANIFEST_NAME)
-    if manifest is None or shard_run_incomplete(manifest) or not plan.source_files:
+    manifest = state.manifests.shard
+    if manifest is None or not is_complete(manifest) or not plan.source_files:
         return None
     if any(etag is None for _, _, etag in plan.source_files):
         return None  # no way to tell that the source did not change
-    same_settings = all(
-        manifest.get(key) == value
-        for key, value in (
-            ("source", plan.source),
-            ("engine", plan.engine),
-            ("tensor_parallel_size", plan.tensor_parallel_size),
-            ("pipeline_parallel_size", plan.pipeline_parallel_size),
-            ("pattern", plan.pattern),
-            ("vllm_version", plan.vllm_version),
-            ("layout", plan.layout),
-            *plan.engine_settings.items(),
-            ("dtype", plan.dtype),
-            ("max_part_size", plan.max_part_size),
-            ("source_files", [list(entry) for entry in plan.source_files]),
-        )
+    same_settings = (
+        manifest.source == plan.source
+        and manifest.engine == plan.engine
+        and manifest.tensor_parallel_size == plan.tensor_parallel_size
+        and manifest.pipeline_parallel_size == plan.pipeline_parallel_size
+        and manifest.pattern == plan.pattern
+        and manifest.vllm_version == plan.vllm_version
+        and manifest.layout == plan.layout
+        and all(manifest.engine_settings.get(key) == value for key, value in plan.engine_settings.items())
+        and manifest.dtype == plan.dtype
+        and manifest.max_part_size == plan.max_part_size
+        and manifest.source_files == tuple(SourceFile(*entry) for entry in plan.source_files)
     )
     if not same_settings:
         return None
-    recorded: dict[str, dict[str, Any]] = {}
-    for rank in manifest.get("ranks") or []:
-        for file in (rank.get("files") or []) if isinstance(rank, dict) else []:
-            if isinstance(file, dict) and isinstance(file.get("path"), str):
-                recorded[file["path"]] = {**file, "pp_rank": rank.get("pp_rank"), "tp_rank": rank.get("tp_rank")}
-    planned = _planned_ranks(plan)
-    if sorted(recorded) != sorted(entry["path"] for entry in planned):
+    recorded = {file.path: (rank, file) for rank in manifest.ranks for file in rank.files}
+    planned = plan.files()
+    if sorted(recorded) != sorted(file.name for file in planned):
         return None
-    for entry in planned:
-        if any(recorded[entry["path"]].get(key) != value for key, value in entry.items()):
+    for file in planned:
+        rank, entry = recorded[file.name]
+        if (rank.pp_rank, rank.tp_rank, entry.part, entry.size, entry.tensors) != _planned_entry(file):
             return None
     reused: dict[str, str] = {}
-    for entry in planned:
-        found = existing.get(entry["path"])
-        sha256 = recorded[entry["path"]].get("sha256")
-        if found is None or found.size != entry["size"] or not isinstance(sha256, str):
+    for file in planned:
+        found = existing.get(file.name)
+        sha256 = recorded[file.name][1].sha256
+        if found is None or found.size != file.size or sha256 is None:
             continue
         if found.metadata.get(SHA256_KEY) is None:
             found = dest.store.stat(found.key)  # S3 listings carry no user metadata
         if found.metadata.get(SHA256_KEY) == sha256:
-            reused[entry["path"]] = sha256
+            reused[file.name] = sha256
     return reused

@@ -7,13 +7,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, notes_to_json
+from streamctl.checkpoint.files import notes_to_json
 from streamctl.errors import VerificationFailed
+from streamctl.manifests import FileEntry, Rank, RankFile, ShardManifest, SourceFile, TensorEntry, put_manifest
 from streamctl.shard.checks import ReconstructionReport
 from streamctl.shard.plan import Engine, ShardPlan
 from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigestReport
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import CopiedFile, write_manifest
+from streamctl.uploads import CopiedFile
 from streamctl.verify.report import VerifyReport
 
 
@@ -126,55 +127,80 @@ class ShardCheckFailed(VerificationFailed):
         self.result = result
 
 
-def write_shard_manifest(dest: Location, result: ShardResult) -> None:
-    """The completed manifest, written last: the run's settings, every rank file (size, sha256, tensors),
-    the serving files copied, and the older streamctl files left in DEST."""
+def completed_manifest(result: ShardResult) -> ShardManifest:
+    """The completed manifest: the run's settings, every rank file (size, sha256, tensors), the serving files
+    copied, and the older streamctl files left in DEST."""
     plan = result.plan
-    fields = {
-        "complete": True,
-        "source": plan.source,
-        "engine": result.engine,
-        "architecture": plan.dims.architecture,
-        "tensor_parallel_size": plan.tensor_parallel_size,
-        "pipeline_parallel_size": plan.pipeline_parallel_size,
-        "pattern": plan.pattern,
-        "vllm_version": plan.vllm_version,
-        "layout": plan.layout,
-        **plan.engine_settings,
-        "dtype": plan.dtype,
-        "max_part_size": plan.max_part_size,
-        "source_files": [list(entry) for entry in plan.source_files],
-        "ranks": _manifest_ranks(result.files),
-        "files": [{"path": file.path, "size": file.size, "sha256": file.sha256} for file in result.copied],
-        "older_files": [item.path for item in plan.left_alone if item.streamctl],
-    }
-    write_manifest(dest, SHARD_MANIFEST_NAME, fields)
+    return ShardManifest(
+        complete=True,
+        source=plan.source,
+        engine=result.engine,
+        architecture=plan.dims.architecture,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        pipeline_parallel_size=plan.pipeline_parallel_size,
+        pattern=plan.pattern,
+        vllm_version=plan.vllm_version,
+        layout=plan.layout,
+        engine_settings=dict(plan.engine_settings),
+        dtype=plan.dtype,
+        max_part_size=plan.max_part_size,
+        source_files=tuple(SourceFile(*entry) for entry in plan.source_files),
+        ranks=manifest_ranks(result.files),
+        files=tuple(FileEntry(file.path, file.size, file.sha256) for file in result.copied),
+        older_files=tuple(item.path for item in plan.left_alone if item.streamctl),
+    ).stamped()
 
 
-def _manifest_ranks(files: Sequence[WrittenFile]) -> list[dict[str, Any]]:
+def write_shard_manifest(dest: Location, result: ShardResult) -> None:
+    """The completed manifest (see completed_manifest), written last."""
+    put_manifest(dest, completed_manifest(result))
+
+
+def manifest_ranks(files: Sequence[WrittenFile]) -> tuple[Rank, ...]:
     """The rank files grouped by (pp_rank, tp_rank), each rank's parts in order."""
     ranks: dict[tuple[int, int], list[WrittenFile]] = {}
     for file in files:
         ranks.setdefault((file.pp_rank, file.tp_rank), []).append(file)
-    return [
-        {
-            "pp_rank": pp_rank,
-            "tp_rank": tp_rank,
-            "files": [
-                {
-                    "path": file.path,
-                    "part": file.part,
-                    "size": file.size,
-                    "sha256": file.sha256,
-                    "tensors": [
-                        {"name": name, "dtype": dtype, "shape": list(shape)} for name, dtype, shape in file.tensors
-                    ],
-                }
+    return tuple(
+        Rank(
+            pp_rank,
+            tp_rank,
+            tuple(
+                RankFile(
+                    file.path,
+                    file.part,
+                    file.size,
+                    file.sha256,
+                    tuple(TensorEntry(name, dtype, tuple(shape)) for name, dtype, shape in file.tensors),
+                )
                 for file in sorted(rank_files, key=lambda item: item.part)
-            ],
-        }
+            ),
+        )
         for (pp_rank, tp_rank), rank_files in sorted(ranks.items())
-    ]
+    )
+
+
+def started_manifest(
+    *,
+    source: str,
+    engine: Engine,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int,
+    pattern: str,
+    planned: Sequence[str],
+    older_files: Sequence[str],
+) -> ShardManifest:
+    """The manifest of a shard run in progress (see write_incomplete_manifest)."""
+    return ShardManifest(
+        complete=False,
+        source=source,
+        engine=engine,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        pattern=pattern,
+        planned=tuple(sorted(planned)),
+        older_files=tuple(sorted(older_files)),
+    ).stamped()
 
 
 def write_incomplete_manifest(
@@ -196,14 +222,13 @@ def write_incomplete_manifest(
     (`shard-incomplete`) and `serve` refuses it, whatever else a killed or out-of-space run left there. It
     also names what the run writes and what it will remove, so a later `--force` still knows them.
     """
-    fields = {
-        "complete": False,
-        "source": source,
-        "engine": engine,
-        "tensor_parallel_size": tensor_parallel_size,
-        "pipeline_parallel_size": pipeline_parallel_size,
-        "pattern": pattern,
-        "planned": sorted(planned),
-        "older_files": sorted(older_files),
-    }
-    write_manifest(dest, SHARD_MANIFEST_NAME, fields, stamp="started")
+    manifest = started_manifest(
+        source=source,
+        engine=engine,
+        tensor_parallel_size=tensor_parallel_size,
+        pipeline_parallel_size=pipeline_parallel_size,
+        pattern=pattern,
+        planned=planned,
+        older_files=older_files,
+    )
+    put_manifest(dest, manifest)

@@ -3,7 +3,6 @@ a tokenizer, and sub-folders it would pull for nothing; and whether a `transfer 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 from streamctl.checkpoint.files import (
@@ -19,7 +18,7 @@ from streamctl.checkpoint.files import (
     repo_kind,
 )
 from streamctl.checkpoint.safetensors import decode_json_strictly, printable
-from streamctl.ownership import MAX_MANIFEST_BYTES
+from streamctl.manifests import MAX_MANIFEST_BYTES, TransferManifest, parse_manifest
 from streamctl.shares import manifest_incomplete
 from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing, Reads, read_small
@@ -29,11 +28,8 @@ from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Findings
 def check_transfer_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
     """A `transfer --worker K/N` copy some of whose shares have not finished (streamctl.shares)."""
     data = read_small(location, listing, MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, TRANSFER_INCOMPLETE_CODE)
-    try:
-        document = json.loads(data) if data is not None else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        document = None  # not one this version wrote: nothing to say about shares
-    reason = manifest_incomplete(document) if isinstance(document, dict) else None
+    manifest = parse_manifest(TransferManifest, data) if data is not None else None
+    reason = manifest_incomplete(manifest) if manifest is not None else None  # None: unreadable, nothing to say
     if reason is not None:
         findings.warning(TRANSFER_INCOMPLETE_CODE, MANIFEST_NAME, f"the copy here is not complete: {reason}")
 

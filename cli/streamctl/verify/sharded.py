@@ -3,7 +3,6 @@ rank and part present once, the same tensors on the TP ranks of a stage, and a `
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -21,7 +20,7 @@ from streamctl.checkpoint.sharded_names import (
     validate_pattern,
 )
 from streamctl.errors import UsageError
-from streamctl.ownership import MAX_MANIFEST_BYTES, shard_run_incomplete
+from streamctl.manifests import MAX_MANIFEST_BYTES, ShardManifest, is_complete, parse_manifest
 from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing, Reads, ShardHeader, read_small
 from streamctl.verify.report import SHARD_INCOMPLETE_CODE, Findings, VerifyOptions
@@ -205,24 +204,21 @@ def _check_rank_tensors(
 
 
 def check_shard_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
-    """A `streamctl shard` run that never completed (see streamctl.ownership.shard_run_incomplete)."""
+    """A `streamctl shard` run that never completed (see streamctl.manifests.is_complete)."""
     data = read_small(
         location, listing, SHARD_MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
     )
     if data is None:
         return
-    try:
-        # Our own document, with a list per tensor: the header parser's flood limits are not meant for it.
-        document = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        document = None
-    if not isinstance(document, dict):
+    # Our own document, with a list per tensor: the header parser's flood limits are not meant for it.
+    manifest = parse_manifest(ShardManifest, data)
+    if manifest is None:
         findings.error(
             SHARD_INCOMPLETE_CODE,
             SHARD_MANIFEST_NAME,
             "the shard manifest is unreadable, so the run's completion is unknown",
         )
-    elif shard_run_incomplete(document):
+    elif not is_complete(manifest):
         findings.error(
             SHARD_INCOMPLETE_CODE,
             SHARD_MANIFEST_NAME,
