@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from streamctl import __version__, interrupts, output
+from streamctl import __version__, interrupts, output, sdklogging
 from streamctl.commands import _typer as click_errors  # Typer's vendored Click errors: see commands/_typer.py
 from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.commands._environment import Command, Group, flag_from_environment
@@ -120,6 +120,7 @@ def main() -> None:
     maps to its exit code here: StreamctlError's own, 130 for Ctrl-C (SIGINT), 143 for SIGTERM, an OSError or exhausted
     resource that escaped its site by streamctl.oserrors, 70 for a bug.
     SIGINT and SIGTERM stop the run through streamctl.interrupts: its clean-up runs, then one error line."""
+    sdklogging.manage()  # the process is the CLI's: the SDK loggers are silent unless --debug (the library's never are)
     json_errors = _json_requested(sys.argv[1:])
     if json_errors:
         output.configure(json_output=True)
