@@ -81,7 +81,9 @@ CALLER = textwrap.dedent(
 def _checkpoint(folder: Path) -> Path:
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
-    save_file({"model.embed_tokens.weight": np.arange(64, dtype=np.float32).reshape(8, 8)}, folder / "model.safetensors")
+    save_file(
+        {"model.embed_tokens.weight": np.arange(64, dtype=np.float32).reshape(8, 8)}, folder / "model.safetensors"
+    )
     return folder
 
 

@@ -473,15 +473,20 @@ class _TimedPool:
 _timed_classes: dict[type, type] = {}
 
 
-def timed_pool_class(base: type) -> type:
-    """`base`, a urllib3 connection pool class, with its requests timed (one subclass per base)."""
-    if issubclass(base, _TimedPool):
+def _mixed(mixin: type, base: type) -> type:
+    """`base` with `mixin` in front, one subclass per base (a base that has it already is itself)."""
+    if issubclass(base, mixin):
         return base
     with _install_lock:
         timed = _timed_classes.get(base)
         if timed is None:
-            timed = _timed_classes[base] = type(f"Timed{base.__name__}", (_TimedPool, base), {"__module__": __name__})
+            timed = _timed_classes[base] = type(f"Timed{base.__name__}", (mixin, base), {"__module__": __name__})
         return timed
+
+
+def timed_pool_class(base: type) -> type:
+    """`base`, a urllib3 connection pool class, with its requests timed."""
+    return _mixed(_TimedPool, base)
 
 
 def timed_pool_classes(table: dict[str, type]) -> dict[str, type]:
@@ -513,13 +518,7 @@ class _TimedAdapter:
 def timed_adapter(base: type[T]) -> type[T]:
     """`base`, a requests HTTPAdapter class, whose requests inside a scope are timed (GCS's and Azure's
     sessions mount it: the overall deadline holds for their requests, and no one else's)."""
-    if issubclass(base, _TimedAdapter):
-        return base
-    with _install_lock:
-        timed = _timed_classes.get(base)
-        if timed is None:
-            timed = _timed_classes[base] = type(f"Timed{base.__name__}", (_TimedAdapter, base), {"__module__": __name__})
-        return timed
+    return _mixed(_TimedAdapter, base)
 
 
 def _response_socket(response: Any) -> socket.socket | None:
