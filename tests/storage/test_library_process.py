@@ -167,3 +167,15 @@ def test_the_cli_still_manages_the_sdk_loggers(tmp_path: Path, debug: bool) -> N
     _, code, *levels = completed.stdout.splitlines()[-1].split()  # after the DEST `--quiet` prints
     assert code == "0", completed.stderr
     assert levels == ([str(10)] * 2 if debug else [str(50 + 1)] * 2)
+
+
+def test_streamctls_own_gcs_session_and_its_token_refreshes_have_timed_pools(
+    gs_root: str, storage_env: dict[str, str]
+) -> None:
+    from streamctl.storage import open_location
+    from streamctl.storage.deadlines import _TimedAdapter
+
+    store: object = open_location(gs_root).store
+    session = store._client._http  # type: ignore[attr-defined]
+    assert all(isinstance(session.adapters[prefix], _TimedAdapter) for prefix in ("http://", "https://"))
+    assert isinstance(session._auth_request_session.adapters["https://"], _TimedAdapter)

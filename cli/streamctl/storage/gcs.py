@@ -175,6 +175,11 @@ def _make_client(environ: Mapping[str, str] = os.environ) -> storage.Client:
 
     deadlines.route_sleeps(retry_unary)  # its back-off: stoppable, and a Retry-After served capped
     session = AuthorizedSession(credentials)
+    # Its token refreshes go through a session of google-auth's own (private; as google-auth mounts it):
+    # timed too, as they were when the deadline patched urllib3 for the whole process.
+    auth_session = getattr(session, "_auth_request_session", None)
+    if isinstance(auth_session, requests.Session):
+        auth_session.mount("https://", deadlines.timed_adapter(requests.adapters.HTTPAdapter)(max_retries=3))
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
     # Timed pools: requests' timeouts are per socket read, the overall deadline is ours (deadlines.py).
     adapter = deadlines.timed_adapter(requests.adapters.HTTPAdapter)(pool_connections=4, pool_maxsize=64)
