@@ -17,6 +17,11 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "cli" / "streamctl"
 
 UI_LIBRARIES = ("typer", "rich", "click")
+# The CLI layer: these modules and the streamctl.commands package (commands/, with its help renderer, the
+# shell completions and the one import of Typer's private API). Everything else is the library.
+CLI_MODULES = ("streamctl.app", "streamctl.output", "streamctl.__main__")
+# What the library never imports: the Typer app and what prints (the library reports through progress).
+CLI_ENTRY_MODULES = ("streamctl.app", "streamctl.output")
 # A backend module is the only place its SDK is imported. storage/deadlines.py hooks the HTTP transports that
 # all SDKs share (urllib3, httpx) and must stay SDK-free: every backend installs its hooks, so an SDK imported
 # there would load with every other backend.
@@ -170,6 +175,10 @@ def _in_commands(module: Module) -> bool:
     return _within(module.name, "streamctl.commands")
 
 
+def _in_cli(module: Module) -> bool:
+    return _in_commands(module) or module.name in CLI_MODULES
+
+
 # -- checkers -----------------------------------------------------------------------------------------------
 
 
@@ -178,9 +187,22 @@ def check_ui_imports(modules: tuple[Module, ...]) -> list[str]:
     return [
         f"{m.path}:{i.line}: imports {i.target} (only app.py, output.py and commands/ may)"
         for m in modules
-        if not (_in_commands(m) or m.name in ("streamctl.app", "streamctl.output"))
+        if not _in_cli(m)
         for i in imports(m)
         if any(_within(i.target, library) for library in UI_LIBRARIES)
+    ]
+
+
+def check_library_imports_no_cli(modules: tuple[Module, ...]) -> list[str]:
+    """No library module imports app.py or output.py, even in a function or a `__main__` block (a module
+    that renders the app, as the shell completions do, is CLI layer: it lives in commands/)."""
+    known = frozenset(m.name for m in modules)
+    return [
+        f"{m.path}:{i.line}: imports {i.target} (a library module; only the CLI layer may)"
+        for m in modules
+        if not _in_cli(m)
+        for i in imports(m, known)
+        if i.target in CLI_ENTRY_MODULES
     ]
 
 
@@ -363,6 +385,12 @@ def test_no_library_module_imports_commands(package: tuple[Module, ...]) -> None
     assert check_commands_imports(package) == []
 
 
+def test_no_library_module_imports_the_app_or_output(package: tuple[Module, ...]) -> None:
+    assert check_library_imports_no_cli(package) == []
+    cli = {m.name for m in package if _in_cli(m)}
+    assert {"streamctl.commands.completions", "streamctl.commands._typer", "streamctl.app"} <= cli
+
+
 def test_sdks_only_in_their_storage_backend(package: tuple[Module, ...]) -> None:
     assert check_sdk_imports(package) == []
 
@@ -435,6 +463,25 @@ def test_commands_imports_checker_catches_imports_and_module_names(tmp_path: Pat
         "streamctl/k8s.py:1: imports streamctl.commands",
         "streamctl/k8s.py:3: imports streamctl.commands.probe",
         "streamctl/serve/tune.py:3: names streamctl.commands in a string",
+    ]
+
+
+def test_library_imports_checker_catches_the_app_outside_the_cli(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "app.py": "",
+            "output.py": "",
+            "__main__.py": "from streamctl.app import main\n",
+            "commands/__init__.py": "",
+            "commands/completions.py": "if __name__ == '__main__':\n    from streamctl.app import command_group\n",
+            "completions.py": "if __name__ == '__main__':\n    from streamctl.app import command_group\n",
+            "verify/run.py": "def report():\n    from streamctl import output\n",
+        },
+    )
+    assert check_library_imports_no_cli(modules) == [
+        "streamctl/completions.py:2: imports streamctl.app (a library module; only the CLI layer may)",
+        "streamctl/verify/run.py:2: imports streamctl.output (a library module; only the CLI layer may)",
     ]
 
 

@@ -12,12 +12,8 @@ from typing import Annotated
 
 import typer
 
-try:  # Typer 0.2x vendors Click; its own errors are these classes, not the `click` package's
-    from typer._click import exceptions as click_errors
-except ImportError:  # pragma: no cover - an older Typer on the real Click
-    import click.exceptions as click_errors  # type: ignore[no-redef]
-
-from streamctl import __version__, interrupts, output
+from streamctl import __version__, interrupts, output, sdklogging
+from streamctl.commands import _typer as click_errors  # Typer's vendored Click errors: see commands/_typer.py
 from streamctl.commands import serve, shard, transfer, verify_index
 from streamctl.commands._environment import Command, Group, flag_from_environment
 from streamctl.commands._options import DebugOption, QuietOption
@@ -88,7 +84,8 @@ for _name, _module in (("transfer", transfer), ("verify-index", verify_index), (
 
 
 def command_group() -> object:
-    """The Click command tree behind `app`: streamctl.completions renders the shell completions from it."""
+    """The Click command tree behind `app` (Typer's public get_command): commands/completions.py renders the
+    shell completions from it."""
     return typer.main.get_command(app)
 
 
@@ -104,7 +101,7 @@ def _click_error(error: click_errors.ClickException) -> StreamctlError:
         code = "unknown-option"
     elif isinstance(error, click_errors.MissingParameter):
         code = "missing-parameter"
-    elif isinstance(error, click_errors.BadParameter):
+    elif isinstance(error, typer.BadParameter):
         code = "bad-option-value"
     elif isinstance(error, click_errors.UsageError):
         code = "usage-error"
@@ -123,6 +120,7 @@ def main() -> None:
     maps to its exit code here: StreamctlError's own, 130 for Ctrl-C (SIGINT), 143 for SIGTERM, an OSError or exhausted
     resource that escaped its site by streamctl.oserrors, 70 for a bug.
     SIGINT and SIGTERM stop the run through streamctl.interrupts: its clean-up runs, then one error line."""
+    sdklogging.manage()  # the process is the CLI's: the SDK loggers are silent unless --debug (the library's never are)
     json_errors = _json_requested(sys.argv[1:])
     if json_errors:
         output.configure(json_output=True)

@@ -46,11 +46,11 @@ def test_version() -> None:
 
 def test_committed_completions_are_current() -> None:
     from streamctl.app import command_group
-    from streamctl.completions import SCRIPTS
+    from streamctl.commands.completions import SCRIPTS
 
     group = command_group()
     stale = [name for name, render in SCRIPTS.items() if (REPO / "completions" / name).read_text() != render(group)]
-    assert stale == [], "regenerate with: python -m streamctl.completions completions/"
+    assert stale == [], "regenerate with: python -m streamctl.commands.completions completions/"
 
 
 def test_bash_completion_completes_options_and_commands() -> None:

@@ -43,6 +43,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import _harness as h  # after the environment it reads
 
 LOAD_FORMATS = ("runai_streamer_sharded", "sharded_state")
+
+
 def _file_header_errors(files: list[str], reference: dict[str, Any], warnings: list[str]) -> list[str]:
     """Exact name/shape/dtype checks of one rank's files against the reference state dict."""
     from safetensors import safe_open

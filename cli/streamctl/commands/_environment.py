@@ -24,12 +24,7 @@ import os
 import re
 from typing import Any
 
-try:  # Typer 0.2x vendors Click (see app.py)
-    from typer._click import exceptions as click_errors
-    from typer._click.core import ParameterSource
-except ImportError:  # pragma: no cover - an older Typer on the real Click
-    import click.exceptions as click_errors  # type: ignore[no-redef]
-    from click.core import ParameterSource  # type: ignore[assignment]
+import typer
 
 from streamctl.commands.help import HelpCommand, HelpGroup
 from streamctl.errors import UsageError
@@ -96,6 +91,13 @@ def flag_from_environment(long_name: str) -> bool:
     return value.strip().lower() in ("1", "true", "t", "yes", "y", "on")
 
 
+def _from_variable(ctx: Any, name: str) -> bool:
+    """Whether option `name` took its value from the environment (Click's ParameterSource, compared by name:
+    Typer exports no ParameterSource of its own)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "ENVIRONMENT"
+
+
 def _source_variable(param: Any) -> str:
     """The variable a value from the environment came from: the first one set (Click's own rule)."""
     return next((name for name in variables(param) if os.environ.get(name)), variables(param)[0])
@@ -105,11 +107,7 @@ def _from_environment(ctx: Any) -> dict[str, str]:
     """Flags whose value this run took from the environment: flag -> the variable."""
     found = {}
     for param in ctx.command.params:
-        if (
-            param.name
-            and param.param_type_name == "option"
-            and ctx.get_parameter_source(param.name) == ParameterSource.ENVIRONMENT
-        ):
+        if param.name and param.param_type_name == "option" and _from_variable(ctx, param.name):
             for flag in [*param.opts, *param.secondary_opts]:
                 found[flag] = _source_variable(param)
     return found
@@ -144,9 +142,9 @@ class _FromEnvironment:
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         try:
             rest: list[str] = super().parse_args(ctx, args)  # type: ignore[misc]
-        except click_errors.BadParameter as error:
+        except typer.BadParameter as error:
             param = error.param
-            if param is not None and param.name and ctx.get_parameter_source(param.name) == ParameterSource.ENVIRONMENT:
+            if param is not None and param.name and _from_variable(ctx, param.name):
                 error.param_hint = f"'{max(param.opts, key=len)}' (from {_source_variable(param)})"
             elif param is not None and param.param_type_name == "option" and error.param_hint is None:
                 error.param_hint = " / ".join(f"'{name}'" for name in param.opts)  # no variables: it was typed
@@ -154,10 +152,11 @@ class _FromEnvironment:
         if not (ctx.params.get("quiet") or ctx.params.get("json_output")):  # the command's own, parsed just now
             _warn_of_flat_names(self.params, self.name)  # type: ignore[attr-defined]
         for name, others in DEFERS_TO.items():
-            if ctx.get_parameter_source(name) == ParameterSource.ENVIRONMENT and any(os.environ.get(v) for v in others):
+            if _from_variable(ctx, name) and any(os.environ.get(v) for v in others):
                 param = next(param for param in self.params if param.name == name)  # type: ignore[attr-defined]
                 ctx.params[name] = param.get_default(ctx)
-                ctx.set_parameter_source(name, ParameterSource.DEFAULT)
+                source = ctx.get_parameter_source(name)
+                ctx.set_parameter_source(name, type(source)["DEFAULT"])  # Click's ParameterSource, by name
         return rest
 
     def invoke(self, ctx: Any) -> Any:

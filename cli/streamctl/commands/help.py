@@ -19,6 +19,8 @@ from typing import Any
 
 import typer.core
 
+from streamctl.commands._typer import choices, signature_types
+
 # Lines are wrapped to the terminal, but no wider than this (long lines are hard to read).
 MAX_WIDTH = 100
 # The option column; a longer name and placeholder put the help text on the next line.
@@ -32,24 +34,16 @@ def help_width() -> int:
     return max(40, min(width, MAX_WIDTH))
 
 
-def _choices(param: Any) -> tuple[str, ...]:
-    descriptor = getattr(param, "type_descriptor", None)
-    annotation = getattr(descriptor, "annotation", None)
-    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
-        return tuple(str(member.value) for member in annotation)
-    return tuple(str(choice) for choice in getattr(descriptor, "choices", None) or ())
-
-
-def placeholder(param: Any) -> str:
-    """What goes after an option's name: its metavar, its choices, N for numbers, else its name in capitals."""
+def placeholder(param: Any, annotation: object = None) -> str:
+    """What goes after an option's name: its metavar, its choices, N for numbers, else its name in capitals
+    (`annotation`: the option's type in the command's signature)."""
     if getattr(param, "is_flag", False):
         return ""
     if param.metavar:
         return str(param.metavar)
-    choices = _choices(param)
-    if choices:
-        return "|".join(choices)
-    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    names = choices(annotation)
+    if names:
+        return "|".join(names)
     if annotation in (int, float):
         return "N"
     return (param.name or "VALUE").upper()
@@ -104,13 +98,13 @@ def option_help(param: Any) -> str:
     return text
 
 
-def option_names(param: Any) -> str:
+def option_names(param: Any, annotation: object = None) -> str:
     """`-tp, --tensor-parallel-size N`: short names first, as in git and gcloud."""
     names = sorted(param.opts, key=lambda name: name.startswith("--"))
     text = ", ".join(names)
     if param.secondary_opts:
         text += " / " + ", ".join(param.secondary_opts)
-    value = placeholder(param)
+    value = placeholder(param, annotation)
     return f"{text} {value}" if value else text
 
 
@@ -166,6 +160,7 @@ def render_help(command: Any, ctx: Any, width: int | None = None, examples: Sequ
     """One command's (or the group's) help page as text."""
     width = width or help_width()
     params = [param for param in command.get_params(ctx) if not getattr(param, "hidden", False)]
+    types = signature_types(getattr(command, "callback", None))
     arguments = [param for param in params if param.param_type_name == "argument"]
     options = [param for param in params if param.param_type_name == "option"]
     pieces = ["[OPTIONS]"]
@@ -187,7 +182,8 @@ def render_help(command: Any, ctx: Any, width: int | None = None, examples: Sequ
         sections.setdefault(getattr(option, "rich_help_panel", None) or "Options", []).append(option)
     for title, members in sorted(sections.items(), key=lambda item: item[0] != "Options"):
         lines += ["", f"{title}:"]
-        lines += _definition_list(((option_names(option), option_help(option)) for option in members), width)
+        rows = ((option_names(option, types.get(option.name)), option_help(option)) for option in members)
+        lines += _definition_list(rows, width)
     if subcommands:
         lines += ["", "Commands:"]
         rows = ((name, (sub.help or "").split("\n\n")[0]) for name, sub in subcommands.items() if not sub.hidden)

@@ -18,7 +18,7 @@ from streamctl.storage.url import ParsedURL, parse_url
 def _factory(scheme: str) -> Callable[[ParsedURL, StorageOptions], Store]:
     module_name, _, attr = SCHEMES[scheme].factory.partition(":")
     module = importlib.import_module(module_name)
-    sdklogging.apply_all()  # SDK loggers are silent unless --debug (after the import: some set levels then)
+    sdklogging.backend_imported()  # the CLI's SDK loggers stay silent unless --debug; a library caller's are its own
     factory: Callable[[ParsedURL, StorageOptions], Store] = getattr(module, attr)
     return factory
 

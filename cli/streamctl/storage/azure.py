@@ -134,7 +134,6 @@ def map_error(error: BaseException, *, url: str, bucket: str, op: Op) -> Streamc
 
 
 def _transport() -> RequestsTransport:
-    deadlines.install_urllib3()  # the SDK's timeouts are per socket read (per chunk): the overall deadline is ours
     import azure.core.pipeline.transport._base as transport_base
 
     # Every retry policy sleeps through the transport (azure-core's RetryPolicy waits out any Retry-After).
@@ -147,7 +146,8 @@ def _transport() -> RequestsTransport:
     except ImportError:  # pragma: no cover - depends on the azure-core version
         adapter_class = requests.adapters.HTTPAdapter
     retries = requests.adapters.Retry(total=False, redirect=False, raise_on_status=False)  # the SDK retries
-    adapter = adapter_class(pool_connections=4, pool_maxsize=64, max_retries=retries)
+    # Timed pools: the SDK's timeouts are per socket read (per chunk), the overall deadline is ours.
+    adapter = deadlines.timed_adapter(adapter_class)(pool_connections=4, pool_maxsize=64, max_retries=retries)
     session = requests.Session()
     session.mount("https://", adapter)
     session.mount("http://", adapter)

@@ -6,8 +6,10 @@ Here each request gets `base + expected_bytes / floor_rate` seconds of wall time
 
 How it holds against every SDK: the store wraps each SDK call in a *scope* (thread-local). Transport hooks
 tell the scope when each HTTP request starts and which socket carries it:
-  - urllib3 (botocore for S3; requests for GCS and Azure): `HTTPConnectionPool._make_request` starts a
-    request on a connection, `_put_conn` ends it when the connection goes back to the pool;
+  - urllib3 (botocore for S3; requests for GCS and Azure): the connection pools of streamctl's own clients
+    are subclasses (`timed_pool_class`) whose `_make_request` starts a request on a connection and whose
+    `_put_conn` ends it when the connection goes back to the pool; urllib3 itself is never patched, so the
+    other clients of a program that uses streamctl as a library are untouched;
   - httpx (huggingface_hub): a transport wrapper starts each request, a network-backend wrapper reports the
     socket of every read and write (and counts what each response has delivered, so `body_socket` can hand
     the rest of a large body to a direct `recv_into`).
@@ -420,7 +422,14 @@ class _SdkClock:
 def route_sleeps(module: Any) -> None:
     """Make an SDK module's `time.sleep` (its wait between retries) streamctl's `pause`: huggingface_hub's
     http_backoff (which would wait out any Retry-After), botocore's endpoint, azure-core's transport sleep (its
-    RetryPolicy's Retry-After waits and the storage policies' back-off), google-api-core's retry loop."""
+    RetryPolicy's Retry-After waits and the storage policies' back-off), google-api-core's retry loop.
+
+    The one process-wide change a backend makes, and unavoidable: these SDKs sleep through their module's
+    `time.sleep`, with no per-client hook (azure's per-blob clients wrap the transport in one that does not
+    pass `sleep` on). It is applied as a backend opens, not only by the CLI, because a library caller's run
+    needs it as much: a sleeping thread holds no socket for the deadline to cut, so a Retry-After of days would
+    stall it. For every other client it is `time.sleep`: their answers never reach `note_answer` (only
+    streamctl's own pools report), and the stop that would end the sleep early is the CLI's signals alone."""
     if getattr(module, "time", None) is time:
         module.time = _SdkClock()
 
@@ -428,43 +437,88 @@ def route_sleeps(module: Any) -> None:
 # -- transport hooks ---------------------------------------------------------------------------------------
 
 _install_lock = threading.Lock()
-_installed: set[str] = set()
 
 
-def install_urllib3() -> None:
-    """Time every urllib3 request made inside a scope (botocore, requests). Outside scopes: no effect."""
-    with _install_lock:
-        if "urllib3" in _installed:
-            return
-        from urllib3.connectionpool import HTTPConnectionPool
+class _TimedPool:
+    """Mixed into a urllib3 connection pool class: every request made inside a scope is timed (botocore,
+    requests). Only streamctl's own clients get these pools (`timed_pool_classes`): urllib3's classes, and
+    every other client in the process, are left as they are."""
 
-        make_request = HTTPConnectionPool._make_request
-        put_conn = HTTPConnectionPool._put_conn
+    host: str
+    port: int | None
 
-        def _make_request(self: Any, conn: Any, *args: Any, **kwargs: Any) -> Any:
-            scope = current()
-            if scope is None:
-                response = make_request(self, conn, *args, **kwargs)
-                note_answer(f"{self.host}:{self.port}", response.status, response.headers)
-                return response
-            _WATCHDOG.begin(scope, f"{self.host}:{self.port}", conn)
-            response = make_request(self, conn, *args, **kwargs)
-            note_answer(f"{self.host}:{self.port}", response.status, response.headers)
-            # http.client drops conn.sock once the headers say `Connection: close`; the body still flows
-            # through the response's socket file.
-            sock = _response_socket(response)
-            if sock is not None and scope.connection is conn:
-                scope.io_socket = sock
+    def _make_request(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+        scope = current()
+        endpoint = f"{self.host}:{self.port}"
+        if scope is None:
+            response = super()._make_request(conn, *args, **kwargs)  # type: ignore[misc]
+            note_answer(endpoint, response.status, response.headers)
             return response
+        _WATCHDOG.begin(scope, endpoint, conn)
+        response = super()._make_request(conn, *args, **kwargs)  # type: ignore[misc]
+        note_answer(endpoint, response.status, response.headers)
+        # http.client drops conn.sock once the headers say `Connection: close`; the body still flows
+        # through the response's socket file.
+        sock = _response_socket(response)
+        if sock is not None and scope.connection is conn:
+            scope.io_socket = sock
+        return response
 
-        def _put_conn(self: Any, conn: Any) -> None:
-            if conn is not None:
-                _WATCHDOG.release(conn)
-            put_conn(self, conn)
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            _WATCHDOG.release(conn)
+        super()._put_conn(conn)  # type: ignore[misc]
 
-        HTTPConnectionPool._make_request = _make_request  # type: ignore[method-assign]
-        HTTPConnectionPool._put_conn = _put_conn  # type: ignore[method-assign]
-        _installed.add("urllib3")
+
+_timed_classes: dict[type, type] = {}
+
+
+def _mixed(mixin: type, base: type) -> type:
+    """`base` with `mixin` in front, one subclass per base (a base that has it already is itself)."""
+    if issubclass(base, mixin):
+        return base
+    with _install_lock:
+        timed = _timed_classes.get(base)
+        if timed is None:
+            timed = _timed_classes[base] = type(f"Timed{base.__name__}", (mixin, base), {"__module__": __name__})
+        return timed
+
+
+def timed_pool_class(base: type) -> type:
+    """`base`, a urllib3 connection pool class, with its requests timed."""
+    return _mixed(_TimedPool, base)
+
+
+def timed_pool_classes(table: dict[str, type]) -> dict[str, type]:
+    """A copy of a urllib3 PoolManager's `pool_classes_by_scheme` with every class timed: assigned to the
+    manager of a streamctl client before its first request (a PoolManager's table is urllib3's module-level
+    dict unless set: never changed in place)."""
+    return {scheme: timed_pool_class(cls) for scheme, cls in table.items()}
+
+
+def time_pool_manager(manager: Any) -> Any:
+    """Make the pools `manager` (a urllib3 PoolManager or ProxyManager of streamctl's own) creates timed."""
+    manager.pool_classes_by_scheme = timed_pool_classes(manager.pool_classes_by_scheme)
+    return manager
+
+
+class _TimedAdapter:
+    """Mixed into a requests HTTPAdapter: the pools of its pool manager and proxy managers are timed."""
+
+    poolmanager: Any
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)  # type: ignore[misc]
+        time_pool_manager(self.poolmanager)
+
+    def proxy_manager_for(self, proxy: Any, **kwargs: Any) -> Any:
+        return time_pool_manager(super().proxy_manager_for(proxy, **kwargs))  # type: ignore[misc]
+
+
+def timed_adapter(base: type[T]) -> type[T]:
+    """`base`, a requests HTTPAdapter class, whose requests inside a scope are timed (GCS's and Azure's
+    sessions mount it: the overall deadline holds for their requests, and no one else's)."""
+    return _mixed(_TimedAdapter, base)
 
 
 def _response_socket(response: Any) -> socket.socket | None:

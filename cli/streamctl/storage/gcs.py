@@ -171,13 +171,18 @@ def _make_client(environ: Mapping[str, str] = os.environ) -> storage.Client:
     else:
         credentials, adc_project = google.auth.default(scopes=_SCOPES)
         project = project or adc_project
-    deadlines.install_urllib3()  # requests' timeouts are per socket read: the overall deadline is ours
     import google.api_core.retry.retry_unary as retry_unary
 
     deadlines.route_sleeps(retry_unary)  # its back-off: stoppable, and a Retry-After served capped
     session = AuthorizedSession(credentials)
+    # Its token refreshes go through a session of google-auth's own (private; as google-auth mounts it):
+    # timed too, as they were when the deadline patched urllib3 for the whole process.
+    auth_session = getattr(session, "_auth_request_session", None)
+    if isinstance(auth_session, requests.Session):
+        auth_session.mount("https://", deadlines.timed_adapter(requests.adapters.HTTPAdapter)(max_retries=3))
     # Transfers run ~32 threads on one client; requests' default pool of 10 would keep reconnecting.
-    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=64)
+    # Timed pools: requests' timeouts are per socket read, the overall deadline is ours (deadlines.py).
+    adapter = deadlines.timed_adapter(requests.adapters.HTTPAdapter)(pool_connections=4, pool_maxsize=64)
     session.mount("https://", adapter)
     session.mount("http://", adapter)
     return storage.Client(project=project, credentials=credentials, _http=session, client_options=options or None)

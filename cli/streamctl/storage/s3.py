@@ -177,12 +177,24 @@ def _make_client(settings: S3Settings) -> Any:
         read_timeout=120,
         user_agent_extra="streamctl",
     )
-    deadlines.install_urllib3()  # read_timeout is per socket read: a dribbling server needs an overall deadline
     import botocore.endpoint
 
     deadlines.route_sleeps(botocore.endpoint)  # its retry back-off: stoppable, and a Retry-After served capped
     # A private session: boto3's default session is not safe to create clients from in several threads.
-    return boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
+    client = boto3.session.Session().client("s3", endpoint_url=settings.endpoint_url, config=config)
+    _time_requests(client)  # read_timeout is per socket read: a dribbling server needs an overall deadline
+    return client
+
+
+def _time_requests(client: Any) -> None:
+    """Give this client's HTTP session timed urllib3 pools (streamctl.storage.deadlines). botocore has no public
+    way to choose them: its URLLib3Session keeps its pool classes in one dict of its own
+    (`_pool_classes_by_scheme`, shared with the pool and proxy managers it makes), replaced here before the
+    client's first request. Other botocore clients in the process keep theirs.
+    tests/storage/test_library_process.py fails on a botocore that moves it."""
+    session = client._endpoint.http_session
+    table: dict[str, type] = session._pool_classes_by_scheme
+    table.update(deadlines.timed_pool_classes(table))
 
 
 @dataclass
