@@ -54,7 +54,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
-from streamctl.shard import vllm_shims
+from streamctl.shard import vllm_shims, vllm_wna16
 from streamctl.shard.vllm_protocol import (
     ERROR_KINDS,
     HEARTBEAT,
@@ -548,6 +548,8 @@ def plan_stage_names(
                 tensors, model = meta_tensors(make_vllm_config(request))
             except Exception as error:
                 raise _classify_build_error(error, quantization) from error
+        if quantization and tp_rank == 0:
+            refuse_unsplittable(model, plan.tp)
         shims.update(vllm_shims.used_by(model))
         del model
         same_names = [(t.name, t.dtype) for t in tensors] == [(t.name, t.dtype) for t in ranks[0]] if ranks else True
@@ -563,6 +565,14 @@ def plan_stage_names(
         shapes = tuple(rank[index].shape for rank in ranks)
         merged.append(replace(tensor, rank_shapes=shapes) if len(set(shapes)) > 1 else tensor)
     return merged, shims
+
+
+def refuse_unsplittable(model: Any, tp: int) -> None:
+    """A quantized layer whose TP share is not whole int32 words or quantization groups (vllm_wna16)."""
+    problems = vllm_wna16.split_problems(model, tp)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise WorkerError("bad-parallel-size", problems[0] + more)
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:
