@@ -17,7 +17,9 @@ plan   `ModelConfig.verify_with_parallel_config` first (vLLM's own refusals, cla
        stage 0 only, norm/head on L-1 only). A name's "layer" is the first pseudo stage that holds it; a name
        no pseudo stage holds is refused here, before anything is written. A model whose vLLM class has no
        pipeline stages (not SupportsPP: BERT and other encoders) cannot be cut into pseudo stages: its names
-       get the layer WHOLE_RANK and each rank is built and loaded whole (reply "layerwise": false).
+       get the layer WHOLE_RANK and each rank is built and loaded whole (reply "layerwise": false). A
+       weight-only quantized layer (AWQ, GPTQ, compressed-tensors int4) whose rank share is not whole int32
+       words or quantization groups is refused here too (streamctl/shard/vllm_wna16.py).
 write  per part, consecutive names grouped by layer; the layer's HF tensors read once (memory-mapped from
        local_root with safe_open, or "read" frames answered by the parent) and kept for the next group; per TP
        rank the pseudo stage is built on the CPU, every floating parameter NaN-poisoned, loaded by the model's
