@@ -15,6 +15,8 @@ written. One worker for the module's runs; skipped without STREAMCTL_VLLM_PYTHON
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -151,6 +153,33 @@ def expected_rank(config: dict[str, Any], source: dict[str, np.ndarray], method:
     return expected
 
 
+CPU_KERNEL_VERDICT = """
+import json, torch
+from vllm.model_executor.kernels.linear import CPUWNA16LinearKernel, MPLinearLayerConfig
+from vllm.scalar_type import scalar_types
+verdicts = {}
+for tp, shape in ((1, (64, 80)), (2, (64, 48))):  # qkv_proj's (input, output) on a rank
+    config = MPLinearLayerConfig(full_weight_shape=(64, 80), partition_weight_shape=shape, group_size=32,
+                                 weight_type=scalar_types.uint4b8, act_type=torch.bfloat16, zero_points=False)
+    verdicts[tp] = CPUWNA16LinearKernel.can_implement(config)
+print(json.dumps(verdicts))
+"""
+
+
+def test_vllm_cpu_kernel_refuses_these_sizes() -> None:
+    """Why the stand-in is needed: vLLM's own CPU int4 kernel refuses qkv_proj at TP 1 and TP 2."""
+    python = oracle_python()
+    assert python is not None
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
+    done = subprocess.run(
+        [python, "-c", CPU_KERNEL_VERDICT], capture_output=True, text=True, timeout=300, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    verdicts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert verdicts["1"] == [False, "Output size (80) not supported by CPUWNA16, supported sizes are multiples of 32"]
+    assert verdicts["2"][0] is False and "Output size (48) not supported by CPUWNA16" in verdicts["2"][1]
+
+
 def test_cpu_int4_sizes_shard_through_the_build_only_kernel(runs: dict[tuple[str, int], Run]) -> None:
     """vLLM's CPU kernel refuses these sizes; the run builds them anyway and says how (result and manifest)."""
     for method, tp in CASES:
@@ -195,11 +224,8 @@ def test_what_vllm_loaded_is_the_source_split(
         rest = sorted(set(loaded) - set(expected))
         shapes = sorted(name for name in rest if name.endswith(".weight_shape"))
         assert all(".attn." in name for name in rest if name not in shapes), rest
-        assert shapes == (
-            []
-            if method != "ct"
-            else sorted(n.replace("weight_packed", "weight_shape") for n in expected if n.endswith("weight_packed"))
-        )
+        packed = [name for name in expected if name.endswith(".weight_packed")]  # compressed-tensors' layers
+        assert shapes == sorted(name.replace("weight_packed", "weight_shape") for name in packed)
         for name in shapes:  # compressed-tensors: the unpacked [out, in] of a checkpoint weight of the layer
             module = name.removesuffix(".weight_shape")
             fused = next((parts for key, parts in FUSED.items() if module.endswith(key)), None)
