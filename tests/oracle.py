@@ -101,8 +101,9 @@ def _sharded_job(
     dtype: str | None = None,
     load_format: str = "runai_streamer_sharded",
     ep: bool = False,
+    dump_dir: str | Path | None = None,
 ) -> dict[str, Any]:
-    return {
+    job = {
         "hf_dir": str(hf_dir),
         "sharded_dir": str(sharded_dir),
         "tp": tp,
@@ -112,6 +113,7 @@ def _sharded_job(
         "load_format": load_format,
         "ep": ep,
     }
+    return {**job, "dump_dir": str(dump_dir)} if dump_dir is not None else job
 
 
 def check_sharded(
@@ -133,7 +135,8 @@ def check_sharded(
 
 def check_sharded_many(jobs: Sequence[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[dict[str, Any]]:
     """Several check_sharded jobs in one vLLM process; each job is a dict of check_sharded's arguments
-    (plus "ep": True for a layout with --enable-expert-parallel: experts split over the TP ranks)."""
+    (plus "ep": True for a layout with --enable-expert-parallel: experts split over the TP ranks; "dump_dir":
+    each rank's tensors as vLLM's loader loaded them, saved there as rank-PP-TP.safetensors)."""
     return _run_jobs("check_sharded.py", [_sharded_job(**job) for job in jobs], "jobs", timeout)
 
 
@@ -250,6 +253,13 @@ def quantize_fp8(jobs: Sequence[tuple[str | Path, str | Path, str]], block: int 
     "block" (DeepSeek-V3 style `weight_scale_inv`, blocks of `block` x `block`; the script's default 16)."""
     env = {"FP8_BLOCK": str(block)} if block else {}
     _run_script("quantize_fp8.py", [str(part) for job in jobs for part in job], DEFAULT_TIMEOUT_S, env)
+
+
+def quantize_int4(jobs: Sequence[tuple[str | Path, str | Path, str]]) -> None:
+    """int4 copies of tiny checkpoints, (SOURCE, DEST, kind) each, in ONE oracle process
+    (tests/vllm_oracle/quantize_int4.py): kind "awq", "gptq" or "ct" (compressed-tensors pack-quantized), with
+    "@G" for a group size other than 32."""
+    _run_script("quantize_int4.py", [str(part) for job in jobs for part in job], DEFAULT_TIMEOUT_S)
 
 
 def installed_vllm_version() -> str:

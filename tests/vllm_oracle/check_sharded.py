@@ -3,7 +3,7 @@
     check_sharded.py HF_DIR SHARDED_DIR --tp N [--pp P] [--pattern PAT] [--dtype float16|bfloat16|float32]
                      [--load-format runai_streamer_sharded|sharded_state]
     check_sharded.py --jobs JOBS.json      # a JSON list of {"hf_dir", "sharded_dir", "tp", "pp", "pattern",
-                                           # "dtype", "load_format"}: one vLLM import for many checks
+                                           # "dtype", "load_format", "dump_dir"}: one vLLM import for many checks
 
 For every (pp_rank, tp_rank), in one process (see _harness.py for the rank emulation):
   1. reference: the rank's vLLM model class built on HF_DIR and loaded by its own `load_weights` from the HF
@@ -13,7 +13,8 @@ For every (pp_rank, tp_rank), in one process (see _harness.py for the rank emula
      `get_model_loader(LoadConfig(load_format=..., model_loader_extra_config={"pattern": PAT}))` -- it raises
      on an unexpected (KeyError) or missing (ValueError "Missing keys") name;
   3. `ShardedStateLoader._filter_subtensors` of both state dicts compared with `torch.equal` and dtype.
-It also reads the rank's file headers, because vLLM only WARNS (and then casts, or fills the leading part)
+With "dump_dir" (jobs only), each rank's loaded state dict is also saved there as rank-PP-TP.safetensors,
+for a test to compare with its own reading of the source. It also reads the rank's file headers, because vLLM only WARNS (and then casts, or fills the leading part)
 when a file tensor's dtype or shape differs from the parameter's; and it checks the folder: config.json must
 be there and equal to HF_DIR's (`vllm serve SHARDED_DIR` reads it), and no *.safetensors may be left that
 no rank reads. An empty part file is only a warning: vLLM 0.33 loads it, and writes one itself.
@@ -149,9 +150,20 @@ def check_rank(job: dict[str, Any], tensors: dict[str, Any], claimed: set[str]) 
     except Exception as error:  # noqa: BLE001 - vLLM's verdict, reported as such
         errors.append(f"vLLM {type(loader).__name__}.load_weights: {h.describe(error)}")
     else:
-        errors += _compare(reference, h.filtered_state_dict(candidate))
+        loaded = h.filtered_state_dict(candidate)
+        errors += _compare(reference, loaded)
+        if job.get("dump_dir"):
+            _dump(loaded, Path(job["dump_dir"]) / f"rank-{job['rank'][0]}-{job['rank'][1]}.safetensors")
     result["ok"] = not errors
     return result
+
+
+def _dump(state: dict[str, Any], path: Path) -> None:
+    """What vLLM's ShardedStateLoader loaded for this rank, for a test to compare with its own expectation."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous() for name, tensor in state.items()}, str(path))
 
 
 def _folder_errors(job: dict[str, Any], claimed: set[str]) -> list[str]:
@@ -194,7 +206,7 @@ def check_job(job: dict[str, Any]) -> dict[str, Any]:
         claimed: set[str] = set()
         for pp_rank, tp_rank in h.rank_list(int(job["tp"]), int(job["pp"])):
             with h.emulate_rank(int(job["tp"]), tp_rank, int(job["pp"]), pp_rank):
-                rank = check_rank(job, tensors, claimed)
+                rank = check_rank({**job, "rank": (pp_rank, tp_rank)}, tensors, claimed)
             document["ranks"].append({"pp_rank": pp_rank, "tp_rank": tp_rank, **rank})
         document["folder_errors"] = _folder_errors(job, claimed)
         document["ok"] = not document["folder_errors"] and all(rank["ok"] for rank in document["ranks"])

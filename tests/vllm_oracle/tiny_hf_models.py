@@ -221,6 +221,19 @@ def configs() -> dict[str, Any]:
                 "num_key_value_heads": 2,
             }
         ),
+        # sizes vLLM's CPU int4 kernel refuses (CPUWNA16: every rank's input and output a multiple of 32):
+        # qkv_proj's output is 64 + 8 + 8 = 80 at TP 1, 32 + 8 + 8 = 48 at TP 2 (the one KV head replicated);
+        # every input a multiple of 32 per rank (int4 groups of 32), every output share a multiple of 8
+        "llama-int4": lambda: LlamaConfig(
+            **{
+                **COMMON,
+                "num_hidden_layers": 2,
+                "intermediate_size": 64,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 1,
+                "head_dim": 8,
+            }
+        ),
         "mixtral-deep": lambda: MixtralConfig(
             **{**COMMON, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 32, "vocab_size": 1024},
             num_local_experts=8,
@@ -279,7 +292,7 @@ def write(root: str, kind: str) -> str:
 
 
 if __name__ == "__main__":
-    names = sys.argv[2:] or [k for k in configs() if not k.endswith(("-deep", "-wide", "-odd"))]
+    names = sys.argv[2:] or [k for k in configs() if not k.endswith(("-deep", "-wide", "-odd", "-int4"))]
     for name in names:
         try:
             print(write(sys.argv[1], name), flush=True)

@@ -17,7 +17,9 @@ plan   `ModelConfig.verify_with_parallel_config` first (vLLM's own refusals, cla
        stage 0 only, norm/head on L-1 only). A name's "layer" is the first pseudo stage that holds it; a name
        no pseudo stage holds is refused here, before anything is written. A model whose vLLM class has no
        pipeline stages (not SupportsPP: BERT and other encoders) cannot be cut into pseudo stages: its names
-       get the layer WHOLE_RANK and each rank is built and loaded whole (reply "layerwise": false).
+       get the layer WHOLE_RANK and each rank is built and loaded whole (reply "layerwise": false). A
+       weight-only quantized layer (AWQ, GPTQ, compressed-tensors int4) whose rank share is not whole int32
+       words or quantization groups is refused here too (streamctl/shard/vllm_wna16.py).
 write  per part, consecutive names grouped by layer; the layer's HF tensors read once (memory-mapped from
        local_root with safe_open, or "read" frames answered by the parent) and kept for the next group; per TP
        rank the pseudo stage is built on the CPU, every floating parameter NaN-poisoned, loaded by the model's
@@ -54,7 +56,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from typing import IO, Any
 
-from streamctl.shard import vllm_shims
+from streamctl.shard import vllm_shims, vllm_wna16
 from streamctl.shard.vllm_protocol import (
     ERROR_KINDS,
     HEARTBEAT,
@@ -548,6 +550,8 @@ def plan_stage_names(
                 tensors, model = meta_tensors(make_vllm_config(request))
             except Exception as error:
                 raise _classify_build_error(error, quantization) from error
+        if quantization and tp_rank == 0:
+            refuse_unsplittable(model, plan.tp)
         shims.update(vllm_shims.used_by(model))
         del model
         same_names = [(t.name, t.dtype) for t in tensors] == [(t.name, t.dtype) for t in ranks[0]] if ranks else True
@@ -563,6 +567,14 @@ def plan_stage_names(
         shapes = tuple(rank[index].shape for rank in ranks)
         merged.append(replace(tensor, rank_shapes=shapes) if len(set(shapes)) > 1 else tensor)
     return merged, shims
+
+
+def refuse_unsplittable(model: Any, tp: int) -> None:
+    """A quantized layer whose TP share is not whole int32 words or quantization groups (vllm_wna16)."""
+    problems = vllm_wna16.split_problems(model, tp)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise WorkerError("bad-parallel-size", problems[0] + more)
 
 
 def _choose_layer(name: str, candidates: list[int], num_layers: int) -> int:

@@ -14,6 +14,17 @@ by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_o
   Triton (triton-cpu)", platforms/cpu.py `check_and_update_config`): its new CPU model runner compiles Triton
   kernels to RUN. triton-cpu is not published; building and loading weights never compiles a kernel, so that
   one check sees Triton present while it runs (TRITON_FOR_CONFIG), and nowhere else.
+- a last-resort mixed-precision linear kernel on the CPU platform (`BuildOnlyWNA16LinearKernel`): vLLM 0.33's
+  int4/int8 weight-only methods (AWQ: auto_awq.py `AutoAWQMarlinLinearMethod`, GPTQ: auto_gptq.py
+  `AutoGPTQLinearMethod`, compressed-tensors: schemes/compressed_tensors_wNa16.py `CompressedTensorsWNA16`, and
+  the other `choose_mp_linear_kernel` callers) register their parameters themselves in `create_weights`, and
+  only then need a kernel: `choose_mp_linear_kernel` (model_executor/kernels/linear/__init__.py) walks
+  `_POSSIBLE_KERNELS[PlatformEnum.CPU]` (Dynamic4bit, Zentorch, CPUWNA16) and raises when none `can_implement`
+  the layer; CPUWNA16 (kernels/linear/mixed_precision/cpu.py) wants every rank's input and output size a
+  multiple of 32 ("Output size (48) not supported by CPUWNA16"), a limit of its CPU GEMM, not of the layout.
+  The stand-in is appended LAST to that list: it is chosen only where every real CPU kernel refused, it
+  accepts any layer, and its process_weights_after_loading and apply_weights raise ShimCalled. Building and
+  load_weights (all a sharding run and its checks do) never call either.
 - vLLM inspects a model class in a subprocess (model_executor/models/registry.py `_run_in_subprocess`, there
   only to keep CUDA uninitialised) that would not see these stand-ins: `install()` runs it in this process.
 """
@@ -31,6 +42,7 @@ from typing import Any
 TORCHVISION = "torchvision"
 TRITON_FOR_CONFIG = "triton (the CPU platform's configuration check)"
 TRITON_REQUIRED_FROM = (0, 34)  # 0.33's check_and_update_config warns "Triton is not installed"; 0.34's raises
+MP_KERNEL = "BuildOnlyWNA16LinearKernel"  # its name in vLLM's "Using ... for ..." log lines too
 # The torch.ops._C ops vLLM 0.33's CPU __init__ paths look up (activation.py); only the missing ones are defined.
 C_OPS: dict[str, str] = {
     "gelu_quick": "gelu_quick(Tensor(a!) out, Tensor input) -> ()",
@@ -145,6 +157,52 @@ def _configure_without_triton() -> bool:
     return True
 
 
+def _install_mp_kernel() -> bool:
+    """The build-only mixed-precision kernel, last in the CPU platform's list (see the module docstring)."""
+    try:
+        from vllm.model_executor.kernels import linear as kernels
+        from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
+        from vllm.platforms import current_platform
+    except ImportError:  # another vLLM layout: nothing to stand in for
+        return False
+    possible = getattr(kernels, "_POSSIBLE_KERNELS", None)
+    if not current_platform.is_cpu() or not isinstance(possible, dict):
+        return False
+    listed = possible.get(getattr(current_platform, "_enum", None))  # choose_mp_linear_kernel's own key
+    if not isinstance(listed, list):
+        return False
+    if any(kernel.__name__ == MP_KERNEL for kernel in listed):
+        return True
+
+    class BuildOnlyWNA16LinearKernel(MPLinearKernel):
+        """Any weight-only quantized linear layer, for building and loading only: no CPU GEMM behind it."""
+
+        @classmethod
+        def get_min_capability(cls) -> int:
+            return -1
+
+        @classmethod
+        def can_implement(cls, c: Any) -> tuple[bool, str | None]:
+            return True, None
+
+        process_weights_after_loading = _refuse(f"{MP_KERNEL}.process_weights_after_loading")
+        apply_weights = _refuse(f"{MP_KERNEL}.apply_weights")
+
+    BuildOnlyWNA16LinearKernel.__name__ = BuildOnlyWNA16LinearKernel.__qualname__ = MP_KERNEL
+    listed.append(BuildOnlyWNA16LinearKernel)
+    return True
+
+
+def mp_kernel_of(module: Any) -> Any:
+    """The MPLinearKernel a built linear layer holds (its quant method's, or its compressed-tensors
+    scheme's), or None."""
+    for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        kernel = getattr(owner, "kernel", None)
+        if kernel is not None and hasattr(kernel, "config") and hasattr(kernel, "w_q_name"):
+            return kernel
+    return None
+
+
 def _inspect_in_process() -> None:
     from vllm.model_executor.models import registry
 
@@ -162,13 +220,16 @@ def install() -> list[str]:
         _INSTALLED.extend(_install_c_ops())
         if _configure_without_triton():
             _INSTALLED.append(TRITON_FOR_CONFIG)
+        if _install_mp_kernel():
+            _INSTALLED.append(MP_KERNEL)
         _inspect_in_process()
         _INSTALLED.append("")  # marks "done" even when nothing was missing
     return [name for name in _INSTALLED if name]
 
 
 def used_by(model: Any) -> list[str]:
-    """The installed stand-ins this built model looked up: the shim ops its modules hold, and the stand-in
+    """The installed stand-ins this built model looked up: the shim ops its modules hold, the build-only
+    kernel its quantized linear layers hold, and the stand-in
     torchvision whenever it is imported (vLLM's own imports of transformers' image and video utilities
     already import it, whatever the model; Gemma 3 multimodal then needs it to build)."""
     installed = set(install())
@@ -178,6 +239,9 @@ def used_by(model: Any) -> list[str]:
         name = f"torch.ops._C.{getattr(op, '__name__', '')}"
         if name in installed:
             used.add(name)
+        kernel = mp_kernel_of(module)
+        if kernel is not None and type(kernel).__name__ == MP_KERNEL:
+            used.add(MP_KERNEL)
     if TORCHVISION in installed and isinstance(sys.modules.get(TORCHVISION), _StandInModule):
         used.add(TORCHVISION)
     return sorted(used)

@@ -43,7 +43,7 @@ from streamctl.shard.vllm_protocol import (
 
 WORKER_MODULE = "streamctl.shard.vllm_cpu_worker"
 # This streamctl package (cli/streamctl in a checkout, SITE-PACKAGES/streamctl in an install): the worker imports
-# vllm_protocol and vllm_shims from it, and nothing else of this environment (package_path_folder).
+# vllm_protocol, vllm_shims and vllm_wna16 from it, and nothing else of this environment (package_path_folder).
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 PACKAGE_NAME = __name__.partition(".")[0]
 PATH_FOLDER_PREFIX = "streamctl-worker-path-"
