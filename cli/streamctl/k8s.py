@@ -299,9 +299,63 @@ class ServeManifestOptions:
         )
 
 
-def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
-    """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
-    return math.ceil(total_bytes / worst_case_bytes_per_second) + 600
+# The startup probe's budget: the checkpoint's bytes at the pod's expected read rate, plus the engine's start.
+DEFAULT_POD_BYTES_PER_SECOND = 100e6  # without --tune: a slow-but-sane rate from a bucket into one pod
+TUNED_MARGIN = 2  # --tune measures this host on a warm path: the pod gets twice the load time it implies
+ENGINE_START_S = 600  # after the weights: CUDA graphs, torch.compile, the KV cache's profiling
+STARTUP_BUDGET_ANNOTATION = "streamctl.io/startup-budget"  # on the pod template: how the budget was reached
+
+
+def _rate(bytes_per_second: float) -> str:
+    return f"{bytes_per_second / 1e9:.2f} GB/s" if bytes_per_second >= 1e9 else f"{bytes_per_second / 1e6:.0f} MB/s"
+
+
+@dataclass(frozen=True)
+class StartupBudget:
+    """How long a pod may take before vLLM answers /health: the checkpoint's bytes (None: unknown) at
+    `bytes_per_second` (the --tune figure with its margin, else DEFAULT_POD_BYTES_PER_SECOND), plus the
+    engine's start."""
+
+    checkpoint_bytes: int | None
+    bytes_per_second: float = DEFAULT_POD_BYTES_PER_SECOND
+    measured: bool = False  # bytes_per_second is the --tune figure
+    engine_start_s: int = ENGINE_START_S
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_bytes: int | None, measured_bytes_per_second: float | None) -> StartupBudget:
+        if measured_bytes_per_second is not None and measured_bytes_per_second > 0:
+            return cls(checkpoint_bytes, measured_bytes_per_second, measured=True)
+        return cls(checkpoint_bytes)
+
+    @property
+    def load_seconds(self) -> int:
+        margin = TUNED_MARGIN if self.measured else 1
+        return math.ceil((self.checkpoint_bytes or 0) * margin / self.bytes_per_second)
+
+    @property
+    def seconds(self) -> int:
+        return self.load_seconds + self.engine_start_s
+
+    def failure_threshold(self, period_s: int) -> int:
+        return max(1, math.ceil(self.seconds / period_s))
+
+    def describe(self, period_s: int = 0) -> str:
+        """One line: the sum, as the manifest's annotation and serve's notes give it."""
+        probes = f" ({self.failure_threshold(period_s)} probes x {period_s} s)" if period_s else ""
+        start = f"{self.engine_start_s} s engine start"
+        if self.checkpoint_bytes is None:
+            return f"{self.seconds} s{probes} = {start}; the checkpoint's size is unknown"
+        if self.measured:
+            rate = f"{_rate(self.bytes_per_second)} (--tune, measured here) x {TUNED_MARGIN} margin"
+        else:
+            rate = f"{_rate(self.bytes_per_second)} (default per-pod rate; --tune measures it)"
+        size = f"{self.checkpoint_bytes / GiB:.1f} GiB"
+        return f"{self.seconds} s{probes} = {self.checkpoint_bytes:,} bytes ({size}) / {rate} + {start}"
+
+
+def startup_budget_seconds(total_bytes: int, bytes_per_second: float = DEFAULT_POD_BYTES_PER_SECOND) -> int:
+    """How long a pod may take to load: the checkpoint at `bytes_per_second`, plus engine start-up."""
+    return StartupBudget(total_bytes, bytes_per_second).seconds
 
 
 def pod_memory_request(facts: CheckpointFacts, plan: LaunchPlan, tensor_parallel_size: int) -> int:
@@ -316,10 +370,16 @@ def pod_shm_bytes(tensor_parallel_size: int) -> int:
 
 
 def serve_pod_manifests(
-    plan: LaunchPlan, facts: CheckpointFacts | None, options: ServeOptions, kubernetes: ServeManifestOptions
+    plan: LaunchPlan,
+    facts: CheckpointFacts | None,
+    options: ServeOptions,
+    kubernetes: ServeManifestOptions,
+    *,
+    startup: StartupBudget | None = None,
 ) -> list[dict[str, object]]:
     """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host; named
-    `--name` or after the model's location (k8s_names.derived_name), which their annotation holds."""
+    `--name` or after the model's location (k8s_names.derived_name), which their annotation holds. The
+    startup probe waits `startup`, by default the pre-flight's bytes at the default rate."""
     kubernetes.validate(options.model)
     # the place the pod reads: the model, through the endpoint and account the plan gives the pod
     places = place_annotations(
@@ -328,6 +388,7 @@ def serve_pod_manifests(
         account=plan.env.get("AZURE_STORAGE_ACCOUNT_NAME"),
     )
     tp = options.tensor_parallel_size
+    budget = startup or StartupBudget(facts.total_bytes if facts else None)
     return serve_manifests(
         plan.argv,
         plan.env,
@@ -339,7 +400,8 @@ def serve_pod_manifests(
         service_account=kubernetes.service_account,
         accelerator=kubernetes.accelerator,
         secret=kubernetes.secret,
-        startup_budget_s=startup_budget_seconds(facts.total_bytes if facts else 0),
+        startup_budget_s=budget.seconds,
+        startup_note=budget.describe(PROBE_PERIOD_S),
         memory_request_bytes=pod_memory_request(facts, plan, tp) if facts else None,
         shm_bytes=pod_shm_bytes(tp),
     )
@@ -417,6 +479,7 @@ def serve_manifests(
     startup_budget_s: int,
     memory_request_bytes: int | None,
     shm_bytes: int,
+    startup_note: str | None = None,
 ) -> list[dict[str, object]]:
     """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
     /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
@@ -441,6 +504,9 @@ def serve_manifests(
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gibibytes(shm_bytes)}}],
     }
+    template_metadata: dict[str, object] = {"labels": labels}
+    if startup_note:  # how the startup probe's budget was reached, next to the probe it sizes
+        template_metadata["annotations"] = {STARTUP_BUDGET_ANNOTATION: startup_note}
     if service_account:
         pod_spec["serviceAccountName"] = service_account
     if accelerator:
@@ -452,7 +518,7 @@ def serve_manifests(
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": template_metadata, "spec": pod_spec},
         },
     }
     service: dict[str, object] = {

@@ -3,6 +3,7 @@ them) before any GPU spins, and the layout rule when the pre-flight is off (one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streamctl.checkpoint.files import TRUST_REMOTE_CODE, read_repo_kind
@@ -11,8 +12,9 @@ from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
 from streamctl.serve.vllm_args import takes
 from streamctl.storage.base import Location
+from streamctl.verify.reading import Listing
 from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, VerifyOptions
-from streamctl.verify.run import detect_layout, verify_checkpoint
+from streamctl.verify.run import listed_layout, verify_checkpoint
 from streamctl.words import plural
 
 
@@ -23,6 +25,14 @@ class Preflight:
     sharded: bool
     facts: CheckpointFacts | None  # None without the pre-flight
     warnings: tuple[str, ...] = field(default=())  # for the launch plan: a copy still in progress (--worker)
+    # without the pre-flight: the top-level .safetensors bytes of its one listing (None: the layout was given,
+    # nothing was read); with it, facts.total_bytes
+    listed_bytes: int | None = None
+
+    @property
+    def checkpoint_bytes(self) -> int | None:
+        """The weights' bytes, from the headers' pass or the listing; None when nothing was read."""
+        return self.facts.total_bytes if self.facts is not None else self.listed_bytes
 
 
 def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
@@ -30,10 +40,12 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
     UsageError (exit 2) for what vLLM cannot serve as asked (an adapter, custom code not trusted), except
     with --no-preflight and the layout forced, which reads nothing."""
     if not options.preflight:
-        sharded = layout_without_preflight(location, options)  # first: its listing errors say the way round
-        if options.sharded is None and options.pattern is None:
-            check_repo_kind(location, options)  # not with the layout given: --no-preflight then reads nothing
-        return Preflight(sharded=sharded, facts=None)
+        sharded, listing = layout_without_preflight(location, options)  # first: its errors say the way round
+        if listing is None:  # the layout given: --no-preflight then reads nothing
+            return Preflight(sharded=sharded, facts=None)
+        check_repo_kind(location, options, listing.sizes)
+        weights = sum(size for name, size in listing.top_level.items() if name.endswith(".safetensors"))
+        return Preflight(sharded=sharded, facts=None, listed_bytes=weights)
     check_repo_kind(location, options)
     engram = options.engram
     report = verify_checkpoint(
@@ -69,15 +81,17 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
     return Preflight(sharded=sharded, facts=facts, warnings=incomplete)
 
 
-def layout_without_preflight(location: Location, options: ServeOptions) -> bool:
+def layout_without_preflight(location: Location, options: ServeOptions) -> tuple[bool, Listing | None]:
     """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
-    --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
+    --pattern implies sharded; no listing), else detected from one listing, the pre-flight's own layout rule,
+    returned with it."""
     if options.sharded is not None:
-        return options.sharded
+        return options.sharded, None
     if options.pattern is not None:
-        return True
+        return True, None
     try:
-        return detect_layout(location, VerifyOptions()) == "sharded"
+        layout, listing = listed_layout(location, VerifyOptions())
+        return layout == "sharded", listing
     except StreamctlError as error:
         error.hint = "pass --sharded or --not-sharded to launch without listing the checkpoint" + (
             f" ({error.hint})" if error.hint else ""
@@ -92,11 +106,13 @@ def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
     return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
 
 
-def check_repo_kind(location: Location, options: ServeOptions) -> None:
+def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int] | None = None) -> None:
     """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
     an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
-    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host."""
-    sizes = {location.relative(info.key): info.size for info in location.list()}
+    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host. `sizes`: a
+    listing already made (relative name -> bytes), else one is made."""
+    if sizes is None:
+        sizes = {location.relative(info.key): info.size for info in location.list()}
     kind = read_repo_kind(location, sizes)
     if kind.adapter:
         raise UsageError(
