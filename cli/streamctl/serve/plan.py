@@ -263,6 +263,7 @@ def _storage_env(
 # DefaultAzureCredential. It reads neither AZURE_STORAGE_CONNECTION_STRING (only in its Azurite test builds) nor
 # AZURE_STORAGE_KEY, which streamctl's own Azure store reads (storage/azure_auth.py).
 STREAMER_AZURE_KEY, STREAMER_AZURE_SAS = "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"
+POD_SECRET_WARNING = "the pod's --secret must hold"  # moot for a pod with a cloud identity (serve --identity)
 
 
 def azure_streamer_credentials(
@@ -294,7 +295,7 @@ def azure_streamer_credentials(
         return {}
     if for_kubernetes:
         warnings.append(
-            f"vLLM's streamer does not read {variable}: the pod's --secret must hold {STREAMER_AZURE_KEY} or "
+            f"vLLM's streamer does not read {variable}: {POD_SECRET_WARNING} {STREAMER_AZURE_KEY} or "
             f"{STREAMER_AZURE_SAS}"
         )
         return {}

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 from streamctl.errors import MissingProgramError, UsageError
-from streamctl.k8s import ENGINE_START_S, ServeManifestOptions, StartupBudget, serve_pod_manifests, to_yaml_documents
+from streamctl.k8s import ENGINE_START_S, ServeManifestOptions, StartupBudget, serve_pod_yaml
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.serve.plan import (
+    POD_SECRET_WARNING,
     CheckpointFacts,
     LaunchPlan,
     ServeOptions,
@@ -57,11 +58,15 @@ class ServeResult:
             document["tune"] = self.tune.to_json()
         return document
 
+    def warnings_for(self, kubernetes: ServeManifestOptions | None) -> tuple[str, ...]:
+        """The plan's warnings, less what a pod with a cloud identity needs not hear (a key for its --secret)."""
+        if kubernetes is None or kubernetes.identity is None:
+            return self.plan.warnings
+        return tuple(warning for warning in self.plan.warnings if POD_SECRET_WARNING not in warning)
+
     def kubernetes_yaml(self, kubernetes: ServeManifestOptions) -> str:
         """`serve --k8s`'s YAML; UsageError when it would hold a secret in clear text."""
-        return to_yaml_documents(
-            serve_pod_manifests(self.plan, self.facts, self.options, kubernetes, startup=self.startup)
-        )
+        return serve_pod_yaml(self.plan, self.facts, self.options, kubernetes, startup=self.startup)
 
 
 def prepare_launch(
