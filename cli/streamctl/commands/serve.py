@@ -282,6 +282,8 @@ def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run:
     manifests = result.kubernetes_yaml(kubernetes) if kubernetes is not None else None
     for warning in result.warnings_for(kubernetes):
         output.warn(warning)  # silent with --json: the document lists them
+    for note in result.plan.notes:
+        output.log_always(f"note: {note}")
     if manifests is not None:
         typer.echo(manifests, nl=False)
     elif dry_run or output.settings.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from streamctl.checkpoint.files import TRUST_REMOTE_CODE, read_repo_kind
+from streamctl.checkpoint.files import TRUST_REMOTE_CODE, RepoKind, read_repo_kind
 from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
@@ -28,6 +28,7 @@ class Preflight:
     # without the pre-flight: the top-level .safetensors bytes of its one listing (None: the layout was given,
     # nothing was read); with it, facts.total_bytes
     listed_bytes: int | None = None
+    experts: int = 0  # routed experts per layer in config.json (0: no MoE, or config.json not read)
 
     @property
     def checkpoint_bytes(self) -> int | None:
@@ -43,10 +44,10 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
         sharded, listing = layout_without_preflight(location, options)  # first: its errors say the way round
         if listing is None:  # the layout given: --no-preflight then reads nothing
             return Preflight(sharded=sharded, facts=None)
-        check_repo_kind(location, options, listing.sizes)
+        kind = check_repo_kind(location, options, listing.sizes)
         weights = sum(size for name, size in listing.top_level.items() if name.endswith(".safetensors"))
-        return Preflight(sharded=sharded, facts=None, listed_bytes=weights)
-    check_repo_kind(location, options)
+        return Preflight(sharded=sharded, facts=None, listed_bytes=weights, experts=kind.experts)
+    kind = check_repo_kind(location, options)
     engram = options.engram
     report = verify_checkpoint(
         location,
@@ -78,7 +79,7 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
         for finding in report.warnings
         if finding.code == TRANSFER_INCOMPLETE_CODE
     )
-    return Preflight(sharded=sharded, facts=facts, warnings=incomplete)
+    return Preflight(sharded=sharded, facts=facts, warnings=incomplete, experts=kind.experts)
 
 
 def layout_without_preflight(location: Location, options: ServeOptions) -> tuple[bool, Listing | None]:
@@ -106,11 +107,11 @@ def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
     return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
 
 
-def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int] | None = None) -> None:
+def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int] | None = None) -> RepoKind:
     """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
     an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
     --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host. `sizes`: a
-    listing already made (relative name -> bytes), else one is made."""
+    listing already made (relative name -> bytes), else one is made. Returns what it read (the experts too)."""
     if sizes is None:
         sizes = {location.relative(info.key): info.size for info in location.list()}
     kind = read_repo_kind(location, sizes)
@@ -125,3 +126,4 @@ def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[st
             f"{options.model} runs its own code ({kind.custom_code}); vLLM refuses it without {TRUST_REMOTE_CODE}",
             hint=f"review the repo's .py files, then pass -- {TRUST_REMOTE_CODE} (it runs that code on this host)",
         )
+    return kind

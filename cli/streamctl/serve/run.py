@@ -18,6 +18,7 @@ from streamctl.serve.plan import (
     LaunchPlan,
     ServeOptions,
     cuda_available,
+    expert_notes,
     find_vllm,
     host_memory_bytes,
     plan_launch,
@@ -106,10 +107,12 @@ def prepare_launch(
         return replace(plan, warnings=checked.warnings + plan.warnings)
 
     plan = plan_for(options)
+    notes, expert_warnings = expert_notes(options, checked.experts, sharded=checked.sharded)
     tune_result = None
     if options.tune:
         tune_result = tune_concurrency(location, top_level_shards(location), plan.launch_env(), progress=progress)
         plan = plan_for(replace(options, concurrency=tune_result.best.concurrency))
+    plan = replace(plan, notes=(*plan.notes, *notes), warnings=(*plan.warnings, *expert_warnings))
     if for_kubernetes and checked.checkpoint_bytes is None:
         plan = replace(plan, warnings=(*plan.warnings, UNSIZED_STARTUP_WARNING))
     return ServeResult(options, plan, checked.facts, tune_result, environ, checkpoint_bytes=checked.checkpoint_bytes)
