@@ -209,3 +209,18 @@ def test_the_cli_prints_the_steps_then_the_manifests() -> None:
     assert "aG9zdC1" not in result.stdout
     # the host's key is not for the pod: no warning asks for it in a --secret
     assert "--secret" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("kind", sorted(IDENTITIES))
+def test_the_readmes_extraction_gives_a_shell_script(kind: str, tmp_path: Any) -> None:
+    """README: `sed -n '4,/^[^#]/s/^# \\{0,1\\}//p' vllm.yaml | bash` runs the steps; bash -n parses them."""
+    import subprocess
+
+    manifest = tmp_path / "vllm.yaml"
+    manifest.write_text(_yaml(kind))
+    script = subprocess.run(
+        ["sed", "-n", r"4,/^[^#]/s/^# \{0,1\}//p", str(manifest)], capture_output=True, text=True, check=True
+    ).stdout
+    assert script.splitlines() == _script(manifest.read_text())
+    parsed = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr

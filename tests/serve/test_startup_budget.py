@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from cli_helpers import run_cli
+from kube_models import check_with_models
 from streamctl.demo import build_demo_checkpoint
 from streamctl.k8s import (
     DEFAULT_POD_BYTES_PER_SECOND,
@@ -113,7 +114,10 @@ def _upload(folder: Path, url: str, copies: int = 1) -> int:
 def _serve_k8s(url: str, env: dict[str, str], *extra: str) -> tuple[dict[str, Any], dict[str, Any], str]:
     result = run_cli("serve", url, "--k8s", *extra, env=env)
     assert result.exit_code == 0, result.stderr
-    template, container = _pod(list(yaml.safe_load_all(result.stdout)))
+    documents = list(yaml.safe_load_all(result.stdout))
+    for document in documents:
+        check_with_models(document)
+    template, container = _pod(documents)
     return template, container, result.stderr
 
 
