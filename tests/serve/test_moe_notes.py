@@ -87,3 +87,11 @@ def test_the_note_is_printed_on_stderr(moe_model: Path) -> None:
     assert "note:" not in result.stdout  # stdout stays the command line alone
     quiet = run_cli("serve", str(moe_model), "-tp", "2", "--dry-run", "--quiet", env=NO_HOST_GPU)
     assert "note:" not in quiet.stderr
+
+
+def test_the_suggested_flags_are_vllm_033_serve_options() -> None:
+    """VLLM_SERVE_OPTIONS is vLLM 0.33's serve parser (checked against it by test_vllm_secret_flags.py)."""
+    from streamctl.serve.plan import EP_WEIGHT_FILTER, EXPERT_PARALLEL
+    from streamctl.serve.vllm_args import VLLM_SERVE_OPTIONS
+
+    assert {EP_WEIGHT_FILTER, EXPERT_PARALLEL} <= VLLM_SERVE_OPTIONS
