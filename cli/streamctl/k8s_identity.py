@@ -272,7 +272,11 @@ def _aks_steps(
     options: IdentityOptions, parsed: ParsedURL, account: str, namespace: str, service_account: str
 ) -> list[str]:
     group, cluster = shell_word(options.resource_group or ""), options.cluster
-    scope = f"$(az storage account show --name {account} --query id --output tsv)/blobServices/default/containers/{parsed.bucket}"
+    # the account comes from the environment or the URL: quoted, whatever it holds
+    scope = (
+        f"$(az storage account show --name {shell_word(account)} --query id --output tsv)"
+        f"/blobServices/default/containers/{parsed.bucket}"
+    )
     return [
         f"AKS_OIDC_ISSUER=$(az aks show --name {cluster} --resource-group {group} "
         "--query oidcIssuerProfile.issuerUrl --output tsv)",
