@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from streamctl.errors import UsageError
+from streamctl.k8s_identity import IdentityOptions, IdentityPlan, identity_plan, static_keys
 from streamctl.k8s_names import (
     DEST_ANNOTATION,
     JOB_NAME_LIMIT,
@@ -284,10 +285,12 @@ class ServeManifestOptions:
     service_account: str | None = None
     accelerator: str | None = None  # GKE accelerator type, e.g. nvidia-l4
     secret: str | None = None  # a Secret whose keys become environment variables
+    identity: IdentityOptions | None = None  # the cloud identity the pod reads the bucket as (k8s_identity)
+    compile_cache_claim: str | None = None  # a PersistentVolumeClaim for vLLM's compile caches, else an emptyDir
 
     def validate(self, model: str) -> None:
-        """UsageError for a local `model` (the pod cannot read it) or a name Kubernetes would refuse: what
-        `serve --k8s` checks before anything else (the pre-flight included)."""
+        """UsageError for a local `model` (the pod cannot read it), a name Kubernetes would refuse, or an
+        identity that does not fit: what `serve --k8s` checks before anything else (the pre-flight included)."""
         refuse_pod_local("--k8s", "MODEL", model)
         check_manifest_names(
             namespace=self.namespace,
@@ -296,12 +299,69 @@ class ServeManifestOptions:
             secret=self.secret,
             accelerator=self.accelerator,
             image=self.image,
+            compile_cache_claim=self.compile_cache_claim,
         )
+        if self.identity is not None:
+            self.identity.validate(model, self.secret)
 
 
-def startup_budget_seconds(total_bytes: int, worst_case_bytes_per_second: float = 100e6) -> int:
-    """How long a pod may take to load: the checkpoint at a slow-but-sane rate, plus engine start-up."""
-    return math.ceil(total_bytes / worst_case_bytes_per_second) + 600
+# The startup probe's budget: the checkpoint's bytes at the pod's expected read rate, plus the engine's start.
+DEFAULT_POD_BYTES_PER_SECOND = 100e6  # without --tune: a slow-but-sane rate from a bucket into one pod
+TUNED_MARGIN = 2  # --tune measures this host on a warm path: the pod gets twice the load time it implies
+ENGINE_START_S = 600  # after the weights: CUDA graphs, torch.compile, the KV cache's profiling
+STARTUP_BUDGET_ANNOTATION = "streamctl.io/startup-budget"  # on the pod template: how the budget was reached
+
+
+def _rate(bytes_per_second: float) -> str:
+    return f"{bytes_per_second / 1e9:.2f} GB/s" if bytes_per_second >= 1e9 else f"{bytes_per_second / 1e6:.0f} MB/s"
+
+
+@dataclass(frozen=True)
+class StartupBudget:
+    """How long a pod may take before vLLM answers /health: the checkpoint's bytes (None: unknown) at
+    `bytes_per_second` (the --tune figure with its margin, else DEFAULT_POD_BYTES_PER_SECOND), plus the
+    engine's start."""
+
+    checkpoint_bytes: int | None
+    bytes_per_second: float = DEFAULT_POD_BYTES_PER_SECOND
+    measured: bool = False  # bytes_per_second is the --tune figure
+    engine_start_s: int = ENGINE_START_S
+
+    @classmethod
+    def for_checkpoint(cls, checkpoint_bytes: int | None, measured_bytes_per_second: float | None) -> StartupBudget:
+        if measured_bytes_per_second is not None and measured_bytes_per_second > 0:
+            return cls(checkpoint_bytes, measured_bytes_per_second, measured=True)
+        return cls(checkpoint_bytes)
+
+    @property
+    def load_seconds(self) -> int:
+        margin = TUNED_MARGIN if self.measured else 1
+        return math.ceil((self.checkpoint_bytes or 0) * margin / self.bytes_per_second)
+
+    @property
+    def seconds(self) -> int:
+        return self.load_seconds + self.engine_start_s
+
+    def failure_threshold(self, period_s: int) -> int:
+        return max(1, math.ceil(self.seconds / period_s))
+
+    def describe(self, period_s: int = 0) -> str:
+        """One line: the sum, as the manifest's annotation and serve's notes give it."""
+        probes = f" ({self.failure_threshold(period_s)} probes x {period_s} s)" if period_s else ""
+        start = f"{self.engine_start_s} s engine start"
+        if self.checkpoint_bytes is None:
+            return f"{self.seconds} s{probes} = {start}; the checkpoint's size is unknown"
+        if self.measured:
+            rate = f"{_rate(self.bytes_per_second)} (--tune, measured here) x {TUNED_MARGIN} margin"
+        else:
+            rate = f"{_rate(self.bytes_per_second)} (default per-pod rate; --tune measures it)"
+        size = f"{self.checkpoint_bytes / GiB:.1f} GiB"
+        return f"{self.seconds} s{probes} = {self.checkpoint_bytes:,} bytes ({size}) / {rate} + {start}"
+
+
+def startup_budget_seconds(total_bytes: int, bytes_per_second: float = DEFAULT_POD_BYTES_PER_SECOND) -> int:
+    """How long a pod may take to load: the checkpoint at `bytes_per_second`, plus engine start-up."""
+    return StartupBudget(total_bytes, bytes_per_second).seconds
 
 
 def pod_memory_request(facts: CheckpointFacts, plan: LaunchPlan, tensor_parallel_size: int) -> int:
@@ -316,10 +376,39 @@ def pod_shm_bytes(tensor_parallel_size: int) -> int:
 
 
 def serve_pod_manifests(
-    plan: LaunchPlan, facts: CheckpointFacts | None, options: ServeOptions, kubernetes: ServeManifestOptions
+    plan: LaunchPlan,
+    facts: CheckpointFacts | None,
+    options: ServeOptions,
+    kubernetes: ServeManifestOptions,
+    *,
+    startup: StartupBudget | None = None,
 ) -> list[dict[str, object]]:
     """`serve --k8s`: the Deployment and Service for this launch, sized for the pod, never for this host; named
-    `--name` or after the model's location (k8s_names.derived_name), which their annotation holds."""
+    `--name` or after the model's location (k8s_names.derived_name), which their annotation holds. The
+    startup probe waits `startup`, by default the pre-flight's bytes at the default rate."""
+    return _serve_pod(plan, facts, options, kubernetes, startup)[0]
+
+
+def serve_pod_yaml(
+    plan: LaunchPlan,
+    facts: CheckpointFacts | None,
+    options: ServeOptions,
+    kubernetes: ServeManifestOptions,
+    *,
+    startup: StartupBudget | None = None,
+) -> str:
+    """`serve_pod_manifests` as YAML, headed with an identity's cloud-side steps as a comment."""
+    documents, identity = _serve_pod(plan, facts, options, kubernetes, startup)
+    return (identity.comment() if identity is not None else "") + to_yaml_documents(documents)
+
+
+def _serve_pod(
+    plan: LaunchPlan,
+    facts: CheckpointFacts | None,
+    options: ServeOptions,
+    kubernetes: ServeManifestOptions,
+    startup: StartupBudget | None,
+) -> tuple[list[dict[str, object]], IdentityPlan | None]:
     kubernetes.validate(options.model)
     # the place the pod reads: the model, through the endpoint and account the plan gives the pod
     places = place_annotations(
@@ -328,21 +417,81 @@ def serve_pod_manifests(
         account=plan.env.get("AZURE_STORAGE_ACCOUNT_NAME"),
     )
     tp = options.tensor_parallel_size
-    return serve_manifests(
+    budget = startup or StartupBudget(facts.total_bytes if facts else None)
+    name = kubernetes.name or derived_name("vllm", *places.values())
+    identity = None
+    service_account = kubernetes.service_account
+    if kubernetes.identity is not None:
+        service_account = service_account or name  # the KSA the cloud trusts: --service-account, else the name
+        identity = identity_plan(
+            kubernetes.identity,
+            options.model,
+            namespace=kubernetes.namespace,
+            service_account=service_account,
+            labels={"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "streamctl"},
+            azure_account=plan.env.get("AZURE_STORAGE_ACCOUNT_NAME"),
+        )
+    documents = serve_manifests(
         plan.argv,
         plan.env,
-        name=kubernetes.name or derived_name("vllm", *places.values()),
+        name=name,
         annotations=places,
         namespace=kubernetes.namespace,
         image=kubernetes.image or DEFAULT_VLLM_IMAGE,
         tensor_parallel_size=tp,
-        service_account=kubernetes.service_account,
+        service_account=service_account,
         accelerator=kubernetes.accelerator,
         secret=kubernetes.secret,
-        startup_budget_s=startup_budget_seconds(facts.total_bytes if facts else 0),
+        startup_budget_s=budget.seconds,
+        startup_note=budget.describe(PROBE_PERIOD_S),
         memory_request_bytes=pod_memory_request(facts, plan, tp) if facts else None,
         shm_bytes=pod_shm_bytes(tp),
+        pod_labels=identity.pod_labels if identity is not None else None,
+        compile_cache=compile_cache_volume(kubernetes.compile_cache_claim),
     )
+    if identity is not None:
+        refuse_static_keys(documents)
+        documents.insert(0, identity.service_account)  # first: the pod's ServiceAccount must exist before it
+    return documents, identity
+
+
+# vLLM's compile caches (torch.compile's graphs under VLLM_CACHE_ROOT, Inductor's kernels, Triton's) and the
+# config and tokenizer vLLM mirrors from a bucket (under VLLM_CACHE_ROOT too): on a volume, a restarted
+# container (emptyDir) or a new pod (a PersistentVolumeClaim) finds them instead of compiling again, and the
+# pod's TP ranks share one copy.
+COMPILE_CACHE_VOLUME = "compile-cache"
+COMPILE_CACHE_PATH = "/cache"
+COMPILE_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": f"{COMPILE_CACHE_PATH}/vllm",
+    "TORCHINDUCTOR_CACHE_DIR": f"{COMPILE_CACHE_PATH}/torchinductor",
+    "TRITON_CACHE_DIR": f"{COMPILE_CACHE_PATH}/triton",
+}
+COMPILE_CACHE_EMPTYDIR_LIMIT = "20Gi"
+
+
+def compile_cache_volume(claim: str | None) -> dict[str, object]:
+    """The compile caches' volume: the PersistentVolumeClaim `claim` (kept across pods), else an emptyDir
+    (kept across the container's restarts in one pod)."""
+    if claim:
+        return {"name": COMPILE_CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}}
+    return {"name": COMPILE_CACHE_VOLUME, "emptyDir": {"sizeLimit": COMPILE_CACHE_EMPTYDIR_LIMIT}}
+
+
+def refuse_static_keys(documents: Sequence[Mapping[str, object]]) -> None:
+    """UsageError when a manifest with a cloud identity would carry a static key's variable or a Secret."""
+    for document in documents:
+        spec = document.get("spec")
+        template = spec.get("template") if isinstance(spec, Mapping) else None
+        pod = template.get("spec") if isinstance(template, Mapping) else None
+        containers = pod.get("containers") if isinstance(pod, Mapping) else None
+        for container in containers if isinstance(containers, list) else []:
+            keys = static_keys(container.get("env", []))
+            if keys or container.get("envFrom"):
+                raise UsageError(
+                    f"the manifest would carry {', '.join(keys) or 'a Secret'} next to --identity: a static key "
+                    "would win over the identity's credentials",
+                    hint="unset those variables here, or drop --identity",
+                )
 
 
 def _gibibytes(count: int) -> str:
@@ -372,8 +521,10 @@ def _vllm_container(
     secret: str | None,
     startup_budget_s: int,
     memory_request_bytes: int | None,
+    compile_cache: bool = False,
 ) -> dict[str, object]:
-    """The vLLM container: one GPU per TP rank, /dev/shm mounted, probes on /health."""
+    """The vLLM container: one GPU per TP rank, /dev/shm mounted, probes on /health; with `compile_cache`,
+    the caches' variables pointing into its volume."""
     gpus = str(tensor_parallel_size)
     resources: dict[str, object] = {"limits": {"nvidia.com/gpu": gpus}, "requests": {"nvidia.com/gpu": gpus}}
     if memory_request_bytes:
@@ -385,7 +536,10 @@ def _vllm_container(
         "command": [argv[0]],
         "args": list(argv[1:]),
         "ports": [{"containerPort": VLLM_PORT, "name": "http"}],
-        "env": [{"name": key, "value": value} for key, value in sorted(env.items())],
+        "env": [
+            {"name": key, "value": value}
+            for key, value in sorted({**(COMPILE_CACHE_ENV if compile_cache else {}), **env}.items())
+        ],
         "resources": resources,
         # vLLM answers /health only once the weights are loaded: the startup probe holds the others off.
         "startupProbe": {
@@ -397,6 +551,11 @@ def _vllm_container(
         "livenessProbe": {"httpGet": health, "periodSeconds": 30, "failureThreshold": 5},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
+    if compile_cache:
+        container["volumeMounts"] = [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_PATH},
+        ]
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
     return container
@@ -417,6 +576,9 @@ def serve_manifests(
     startup_budget_s: int,
     memory_request_bytes: int | None,
     shm_bytes: int,
+    startup_note: str | None = None,
+    pod_labels: Mapping[str, str] | None = None,
+    compile_cache: Mapping[str, object] | None = None,
 ) -> list[dict[str, object]]:
     """A Deployment and a Service for `vllm serve`, as the GKE guide describes, with its gaps fixed:
     /dev/shm is mounted, the startup budget follows the checkpoint size, GPUs equal the TP size.
@@ -436,11 +598,16 @@ def serve_manifests(
         secret=secret,
         startup_budget_s=startup_budget_s,
         memory_request_bytes=memory_request_bytes,
+        compile_cache=compile_cache is not None,
     )
-    pod_spec: dict[str, object] = {
-        "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gibibytes(shm_bytes)}}],
-    }
+    volumes: list[object] = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": _gibibytes(shm_bytes)}}]
+    if compile_cache is not None:
+        volumes.append(dict(compile_cache))
+    pod_spec: dict[str, object] = {"containers": [container], "volumes": volumes}
+    # the pod's own labels (an identity's webhook label) are not the selector's
+    template_metadata: dict[str, object] = {"labels": {**labels, **(pod_labels or {})}}
+    if startup_note:  # how the startup probe's budget was reached, next to the probe it sizes
+        template_metadata["annotations"] = {STARTUP_BUDGET_ANNOTATION: startup_note}
     if service_account:
         pod_spec["serviceAccountName"] = service_account
     if accelerator:
@@ -452,7 +619,7 @@ def serve_manifests(
         "spec": {
             "replicas": 1,
             "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
-            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+            "template": {"metadata": template_metadata, "spec": pod_spec},
         },
     }
     service: dict[str, object] = {

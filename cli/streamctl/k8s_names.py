@@ -115,6 +115,7 @@ NAME_OPTIONS: dict[str, tuple[str, str, NameRule]] = {
     "service_account": ("--service-account", "ServiceAccount name", DNS1123_SUBDOMAIN),
     "secret": ("--secret", "Secret name", DNS1123_SUBDOMAIN),
     "accelerator": ("--accelerator", "nodeSelector value", LABEL_VALUE),
+    "compile_cache_claim": ("--compile-cache-pvc", "PersistentVolumeClaim name", DNS1123_SUBDOMAIN),
 }
 
 

@@ -39,6 +39,7 @@ RULE_OF_OPTION = {
     "--service-account": DNS1123_SUBDOMAIN,
     "--secret": DNS1123_SUBDOMAIN,
     "--accelerator": LABEL_VALUE,  # a nodeSelector value
+    "--compile-cache-pvc": DNS1123_SUBDOMAIN,  # a PersistentVolumeClaim's name
 }
 
 

@@ -235,6 +235,7 @@ class RepoKind:
     base_model: str | None = None  # adapter_config.json's `base_model_name_or_path`, when a string
     custom_code: str | None = None  # "auto_map in config.json names configuration_qwen.QWenConfig", or None
     custom_tokenizer: bool = False  # the tokenizer is the repo's own code, reading files of its own choosing
+    experts: int = 0  # routed experts per MoE layer, as vLLM reads config.json (0: not a mixture of experts)
 
     def adapter_hint(self, location: str) -> str:
         """How vLLM serves the adapter at `location`: on its base model, with LoRA enabled."""
@@ -250,6 +251,26 @@ def _auto_map_entry(document: Any, key: str) -> str | None:
         if isinstance(item, str) and item:
             return item
     return None
+
+
+# vLLM 0.33's names for a config's expert count (transformers_utils/config.py CONFIG_FIELD_ALIASES), looked up
+# in the config or its text_config as vLLM's hf_text_config does; the first one present counts.
+EXPERT_COUNT_FIELDS = ("num_experts", "moe_num_experts", "n_routed_experts", "num_local_experts")
+
+
+def expert_count(config: Any) -> int:
+    """Routed experts per MoE layer from a parsed config.json (a list: its first, as vLLM takes Ernie VL's)."""
+    if not isinstance(config, dict):
+        return 0
+    text_config = config.get("text_config")
+    for document in (text_config, config) if isinstance(text_config, dict) else (config,):
+        for name in EXPERT_COUNT_FIELDS:
+            value = document.get(name)
+            if isinstance(value, list) and value:
+                value = value[0]
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return 0
 
 
 def repo_kind(documents: Mapping[str, Any]) -> RepoKind:
@@ -274,6 +295,7 @@ def repo_kind(documents: Mapping[str, Any]) -> RepoKind:
         base_model=base if isinstance(base, str) and base else None,
         custom_code=custom,
         custom_tokenizer=tokenizer_code is not None,
+        experts=expert_count(config),
     )
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from enum import Enum
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -26,6 +27,13 @@ if TYPE_CHECKING:
     from streamctl.serve.run import ServeResult
 
 EXPERIMENTAL = "Experimental: DeepSeek V4.1 CPU Engram loading"
+
+
+class IdentityOption(str, Enum):
+    gke = "gke"
+    eks_irsa = "eks-irsa"
+    eks_pod_identity = "eks-pod-identity"
+    aks = "aks"
 
 
 def command(
@@ -101,6 +109,61 @@ def command(
             "--secret", metavar="NAME", help="Secret with credentials as env vars.", rich_help_panel="Kubernetes"
         ),
     ] = None,
+    identity: Annotated[
+        IdentityOption | None,
+        typer.Option(
+            "--identity",
+            help="Cloud identity of the pod: ServiceAccount + cloud-side steps; no static key.",
+            rich_help_panel="Kubernetes",
+            show_default=False,
+        ),
+    ] = None,
+    gcp_project: Annotated[
+        str | None,
+        typer.Option("--gcp-project", metavar="ID", help="gke: the project ID.", rich_help_panel="Kubernetes"),
+    ] = None,
+    gcp_project_number: Annotated[
+        str | None,
+        typer.Option(
+            "--gcp-project-number",
+            metavar="NUMBER",
+            help="gke: the project number (default: looked up).",
+            rich_help_panel="Kubernetes",
+        ),
+    ] = None,
+    aws_role_arn: Annotated[
+        str | None,
+        typer.Option("--aws-role-arn", metavar="ARN", help="eks-*: the IAM role.", rich_help_panel="Kubernetes"),
+    ] = None,
+    cluster: Annotated[
+        str | None,
+        typer.Option("--cluster", metavar="NAME", help="eks-*, aks: the cluster.", rich_help_panel="Kubernetes"),
+    ] = None,
+    azure_client_id: Annotated[
+        str | None,
+        typer.Option(
+            "--azure-client-id", metavar="UUID", help="aks: the identity's client ID.", rich_help_panel="Kubernetes"
+        ),
+    ] = None,
+    azure_identity: Annotated[
+        str | None,
+        typer.Option(
+            "--azure-identity", metavar="NAME", help="aks: the managed identity.", rich_help_panel="Kubernetes"
+        ),
+    ] = None,
+    resource_group: Annotated[
+        str | None,
+        typer.Option("--resource-group", metavar="NAME", help="aks: its resource group.", rich_help_panel="Kubernetes"),
+    ] = None,
+    compile_cache_pvc: Annotated[
+        str | None,
+        typer.Option(
+            "--compile-cache-pvc",
+            metavar="CLAIM",
+            help="PVC for vLLM's compile caches (default: an emptyDir).",
+            rich_help_panel="Kubernetes",
+        ),
+    ] = None,
     cpu_weight_files: Annotated[
         str | None,
         typer.Option(
@@ -138,7 +201,6 @@ def command(
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.errors import PreflightFailed
-    from streamctl.k8s import ServeManifestOptions
     from streamctl.serve.plan import EngramOptions, ServeOptions, normalize_model, parse_memory_limit
     from streamctl.serve.run import prepare_launch
 
@@ -159,7 +221,7 @@ def command(
     )
     options.validate()
     check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
-    kubernetes = ServeManifestOptions(namespace, name, image, service_account, accelerator, secret) if k8s else None
+    kubernetes = _kubernetes_options(ctx.params) if k8s else None
     if kubernetes is not None:
         kubernetes.validate(options.model)
     refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
@@ -174,6 +236,43 @@ def command(
     _show(result, kubernetes, dry_run)
 
 
+IDENTITY_VALUES = (
+    "gcp_project",
+    "gcp_project_number",
+    "aws_role_arn",
+    "cluster",
+    "azure_client_id",
+    "azure_identity",
+    "resource_group",
+)
+
+
+def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
+    """`serve --k8s`'s section of options, from the command's parameters; UsageError for an identity's value
+    without --identity."""
+    from streamctl.errors import UsageError
+    from streamctl.k8s import ServeManifestOptions
+    from streamctl.k8s_identity import IdentityOptions
+
+    identity: IdentityOption | None = params["identity"]
+    values = {key: params[key] for key in IDENTITY_VALUES}
+    if identity is None:
+        for key, value in values.items():
+            if value is not None:
+                flag = "--" + key.replace("_", "-")
+                raise UsageError(f"{flag} applies only with --identity", hint="add --identity, or drop it")
+    return ServeManifestOptions(
+        params["namespace"],
+        params["name"],
+        params["image"],
+        params["service_account"],
+        params["accelerator"],
+        params["secret"],
+        identity=IdentityOptions(identity.value, **values) if identity is not None else None,
+        compile_cache_claim=params["compile_cache_pvc"],
+    )
+
+
 def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run: bool) -> None:
     """Print the checked launch (tune table, warnings, then YAML, JSON or the command line), or become vLLM."""
     from streamctl.serve.run import exec_vllm
@@ -181,8 +280,10 @@ def _show(result: ServeResult, kubernetes: ServeManifestOptions | None, dry_run:
     if result.tune is not None and not output.settings.json:
         output.render_tune_result(result.tune)
     manifests = result.kubernetes_yaml(kubernetes) if kubernetes is not None else None
-    for warning in result.plan.warnings:
+    for warning in result.warnings_for(kubernetes):
         output.warn(warning)  # silent with --json: the document lists them
+    for note in result.plan.notes:
+        output.log_always(f"note: {note}")
     if manifests is not None:
         typer.echo(manifests, nl=False)
     elif dry_run or output.settings.json:

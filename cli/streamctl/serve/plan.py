@@ -170,6 +170,7 @@ class LaunchPlan:
     # Secrets the streamer needs in a form it reads, for a launch on this host only (never in a manifest):
     # see azure_streamer_credentials. Shown by name, masked.
     credentials: Mapping[str, str] = field(default_factory=dict, repr=False)
+    notes: tuple[str, ...] = ()  # suggestions, not problems (an MoE checkpoint's faster ways to load)
 
     def launch_env(self) -> dict[str, str]:
         """What `vllm serve` (and the tune probes) get on top of the inherited environment."""
@@ -197,6 +198,7 @@ class LaunchPlan:
             "load_format": self.load_format,
             "extra_config": dict(self.extra_config),
             "warnings": list(self.warnings),
+            "notes": list(self.notes),
             "experimental": self.experimental,
         }
 
@@ -263,6 +265,7 @@ def _storage_env(
 # DefaultAzureCredential. It reads neither AZURE_STORAGE_CONNECTION_STRING (only in its Azurite test builds) nor
 # AZURE_STORAGE_KEY, which streamctl's own Azure store reads (storage/azure_auth.py).
 STREAMER_AZURE_KEY, STREAMER_AZURE_SAS = "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_SAS_TOKEN"
+POD_SECRET_WARNING = "the pod's --secret must hold"  # moot for a pod with a cloud identity (serve --identity)
 
 
 def azure_streamer_credentials(
@@ -294,7 +297,7 @@ def azure_streamer_credentials(
         return {}
     if for_kubernetes:
         warnings.append(
-            f"vLLM's streamer does not read {variable}: the pod's --secret must hold {STREAMER_AZURE_KEY} or "
+            f"vLLM's streamer does not read {variable}: {POD_SECRET_WARNING} {STREAMER_AZURE_KEY} or "
             f"{STREAMER_AZURE_SAS}"
         )
         return {}
@@ -354,6 +357,40 @@ def plan_launch(
         distributed=bool(distributed) and not sharded,  # the sharded loader has no distributed mode
         credentials=credentials,
     )
+
+
+EP_WEIGHT_FILTER = "--enable-ep-weight-filter"  # vLLM 0.33+: ParallelConfig.enable_ep_weight_filter
+EXPERT_PARALLEL = "--enable-expert-parallel"
+
+
+def expert_notes(options: ServeOptions, experts: int, *, sharded: bool) -> tuple[list[str], list[str]]:
+    """(notes, warnings) for a mixture of experts served without pre-sharded files: with TP > 1 every rank
+    reads every expert. vLLM 0.33's --enable-ep-weight-filter (with --enable-expert-parallel) skips other
+    ranks' experts, in its default loader only (model_loader/default_loader.py; the streamer's loaders never
+    look at it); `streamctl shard --enable-expert-parallel` writes each rank's own files instead."""
+    tp = options.tensor_parallel_size
+    asked = any(takes(arg, EP_WEIGHT_FILTER) for arg in options.vllm_args)
+    warnings = []
+    if asked:
+        warnings.append(
+            f"{EP_WEIGHT_FILTER} applies to vLLM's default loader only: with --load-format "
+            f"{LOAD_FORMAT_SHARDED if sharded else LOAD_FORMAT} every rank still reads what the streamer gives it"
+        )
+    if experts <= 0 or sharded or tp == 1:
+        return [], warnings
+    model = options.model.rstrip("/")
+    shown = shell_word(model)
+    dest = shell_word(f"{model}-tp{tp}-ep")
+    note = (
+        f"{model} is a mixture of experts ({experts} per layer) without pre-sharded files: each of the {tp} ranks "
+        f"reads every expert. Either serve it with vLLM's default loader and {EP_WEIGHT_FILTER} (vLLM 0.33 or "
+        f"later, with {EXPERT_PARALLEL}; each rank reads only its own experts, where they are tensors of their own, "
+        f"not one fused 3D tensor): vllm serve {shown} "
+        f"--tensor-parallel-size {tp} {EXPERT_PARALLEL} {EP_WEIGHT_FILTER}; or shard it once per rank and "
+        f"stream that: streamctl shard {shown} {dest} -tp {tp} {EXPERT_PARALLEL}, then streamctl serve {dest} "
+        f"-tp {tp} -- {EXPERT_PARALLEL}"
+    )
+    return [note], warnings
 
 
 def _distributed_streaming(options: ServeOptions, cuda_available: bool, warnings: list[str]) -> bool:

@@ -3,17 +3,18 @@ them) before any GPU spins, and the layout rule when the pre-flight is off (one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TypedDict
 
-from streamctl.checkpoint.files import TRUST_REMOTE_CODE, needs_mistral_tokenizer_mode, read_repo_kind
+from streamctl.checkpoint.files import TRUST_REMOTE_CODE, RepoKind, needs_mistral_tokenizer_mode, read_repo_kind
 from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
 from streamctl.serve.vllm_args import takes
 from streamctl.storage.base import Location
+from streamctl.verify.reading import Listing
 from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, VerifyOptions
-from streamctl.verify.run import detect_layout, verify_checkpoint
+from streamctl.verify.run import listed_layout, verify_checkpoint
 from streamctl.words import plural
 
 TOKENIZER_MODE = "--tokenizer-mode"
@@ -27,6 +28,15 @@ class Preflight:
     facts: CheckpointFacts | None  # None without the pre-flight
     warnings: tuple[str, ...] = field(default=())  # for the launch plan: a copy still in progress (--worker)
     vllm_args: tuple[str, ...] = field(default=())  # vLLM options the checkpoint needs that the user did not give
+    # without the pre-flight: the top-level .safetensors bytes of its one listing (None: the layout was given,
+    # nothing was read); with it, facts.total_bytes
+    listed_bytes: int | None = None
+    experts: int = 0  # routed experts per layer in config.json (0: no MoE, or config.json not read)
+
+    @property
+    def checkpoint_bytes(self) -> int | None:
+        """The weights' bytes, from the headers' pass or the listing; None when nothing was read."""
+        return self.facts.total_bytes if self.facts is not None else self.listed_bytes
 
 
 def check_checkpoint(location: Location, options: ServeOptions, progress: Progress) -> Preflight:
@@ -34,12 +44,23 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
     UsageError (exit 2) for what vLLM cannot serve as asked (an adapter, custom code not trusted), except
     with --no-preflight and the layout forced, which reads nothing."""
     if not options.preflight:
-        sharded = layout_without_preflight(location, options)  # first: its listing errors say the way round
-        if options.sharded is None and options.pattern is None:
-            # not with the layout given: --no-preflight then reads nothing
-            return Preflight(sharded=sharded, facts=None, **check_repo_kind(location, options))
-        return Preflight(sharded=sharded, facts=None)
-    asked = check_repo_kind(location, options)
+        sharded, listing = layout_without_preflight(location, options)  # first: its errors say the way round
+        if listing is None:  # the layout given: --no-preflight then reads nothing
+            return Preflight(sharded=sharded, facts=None)
+        kind = check_repo_kind(location, options, listing.sizes)
+        warnings, vllm_args = added_vllm_args(listing.sizes, options)
+        weights = sum(size for name, size in listing.top_level.items() if name.endswith(".safetensors"))
+        return Preflight(
+            sharded=sharded,
+            facts=None,
+            warnings=warnings,
+            vllm_args=vllm_args,
+            listed_bytes=weights,
+            experts=kind.experts,
+        )
+    sizes = {location.relative(info.key): info.size for info in location.list()}
+    kind = check_repo_kind(location, options, sizes)
+    added_warnings, vllm_args = added_vllm_args(sizes, options)
     engram = options.engram
     report = verify_checkpoint(
         location,
@@ -72,19 +93,25 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
         if finding.code == TRANSFER_INCOMPLETE_CODE
     )
     return Preflight(
-        sharded=sharded, facts=facts, warnings=incomplete + asked["warnings"], vllm_args=asked["vllm_args"]
+        sharded=sharded,
+        facts=facts,
+        warnings=incomplete + added_warnings,
+        vllm_args=vllm_args,
+        experts=kind.experts,
     )
 
 
-def layout_without_preflight(location: Location, options: ServeOptions) -> bool:
+def layout_without_preflight(location: Location, options: ServeOptions) -> tuple[bool, Listing | None]:
     """Whether to launch the sharded loader when the pre-flight is off: as forced (--sharded/--not-sharded,
-    --pattern implies sharded), else detected from one listing, the pre-flight's own layout rule."""
+    --pattern implies sharded; no listing), else detected from one listing, the pre-flight's own layout rule,
+    returned with it."""
     if options.sharded is not None:
-        return options.sharded
+        return options.sharded, None
     if options.pattern is not None:
-        return True
+        return True, None
     try:
-        return detect_layout(location, VerifyOptions()) == "sharded"
+        layout, listing = listed_layout(location, VerifyOptions())
+        return layout == "sharded", listing
     except StreamctlError as error:
         error.hint = "pass --sharded or --not-sharded to launch without listing the checkpoint" + (
             f" ({error.hint})" if error.hint else ""
@@ -99,19 +126,13 @@ def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
     return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
 
 
-class RepoNeeds(TypedDict):
-    warnings: tuple[str, ...]
-    vllm_args: tuple[str, ...]
-
-
-def check_repo_kind(location: Location, options: ServeOptions) -> RepoNeeds:
+def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int] | None = None) -> RepoKind:
     """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
     an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
-    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host.
-
-    What is harmless and needed is added, and said: `--tokenizer-mode mistral` on a copy of a repo in both
-    formats, so vLLM chooses the tokenizer it chose on the source (needs_mistral_tokenizer_mode)."""
-    sizes = {location.relative(info.key): info.size for info in location.list()}
+    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host. `sizes`: a
+    listing already made (relative name -> bytes), else one is made. Returns what it read (the experts too)."""
+    if sizes is None:
+        sizes = {location.relative(info.key): info.size for info in location.list()}
     kind = read_repo_kind(location, sizes)
     if kind.adapter:
         raise UsageError(
@@ -124,12 +145,19 @@ def check_repo_kind(location: Location, options: ServeOptions) -> RepoNeeds:
             f"{options.model} runs its own code ({kind.custom_code}); vLLM refuses it without {TRUST_REMOTE_CODE}",
             hint=f"review the repo's .py files, then pass -- {TRUST_REMOTE_CODE} (it runs that code on this host)",
         )
+    return kind
+
+
+def added_vllm_args(sizes: Mapping[str, int], options: ServeOptions) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(notes, vLLM options) for what is harmless, needed, and not given: `--tokenizer-mode mistral` on a copy
+    of a repo in both formats, so vLLM chooses the tokenizer it chose on the source
+    (needs_mistral_tokenizer_mode). Said in a note; the user's own --tokenizer-mode wins."""
     top_level = [name for name in sizes if "/" not in name]
-    if needs_mistral_tokenizer_mode(top_level) and not any(takes(arg, TOKENIZER_MODE) for arg in options.vllm_args):
-        note = (
-            f"added {TOKENIZER_MODE} mistral: {options.model} has Mistral's own tokenizer but no consolidated*"
-            ".safetensors, so vLLM's auto mode would pick the HF tokenizer the source did not use "
-            f"(pass -- {TOKENIZER_MODE} hf to keep that one)"
-        )
-        return RepoNeeds(warnings=(note,), vllm_args=(TOKENIZER_MODE, "mistral"))
-    return RepoNeeds(warnings=(), vllm_args=())
+    if not needs_mistral_tokenizer_mode(top_level) or any(takes(arg, TOKENIZER_MODE) for arg in options.vllm_args):
+        return (), ()
+    note = (
+        f"added {TOKENIZER_MODE} mistral: {options.model} has Mistral's own tokenizer but no consolidated*"
+        ".safetensors, so vLLM's auto mode would pick the HF tokenizer the source did not use "
+        f"(pass -- {TOKENIZER_MODE} hf to keep that one)"
+    )
+    return (note,), (TOKENIZER_MODE, "mistral")

@@ -10,13 +10,15 @@ from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 from streamctl.errors import MissingProgramError, UsageError
-from streamctl.k8s import ServeManifestOptions, serve_pod_manifests, to_yaml_documents
+from streamctl.k8s import ENGINE_START_S, ServeManifestOptions, StartupBudget, serve_pod_yaml
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.serve.plan import (
+    POD_SECRET_WARNING,
     CheckpointFacts,
     LaunchPlan,
     ServeOptions,
     cuda_available,
+    expert_notes,
     find_vllm,
     host_memory_bytes,
     plan_launch,
@@ -24,6 +26,12 @@ from streamctl.serve.plan import (
 from streamctl.serve.preflight import check_checkpoint
 from streamctl.serve.tune import TuneResult, top_level_shards, tune_concurrency
 from streamctl.storage import open_location
+
+UNSIZED_STARTUP_WARNING = (
+    f"the checkpoint's size is unknown (--no-preflight with the layout given reads nothing): the startup probe "
+    f"waits {ENGINE_START_S} s, the engine's start only; run the pre-flight, or drop --sharded/--not-sharded, "
+    "to size it for the weights"
+)
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,14 @@ class ServeResult:
     facts: CheckpointFacts | None  # None without the pre-flight
     tune: TuneResult | None  # with --tune: the measurements; `plan` uses the best concurrency
     environ: Mapping[str, str] = field(repr=False)  # the environment vLLM inherits (plan.launch_env() on top)
+    checkpoint_bytes: int | None = None  # the pre-flight's, or --no-preflight's one listing's; None: not read
+
+    @property
+    def startup(self) -> StartupBudget:
+        """The pod's startup budget: the checkpoint's bytes at the --tune figure, else at the default rate."""
+        best = self.tune.best if self.tune is not None else None
+        measured = best.bytes / best.seconds if best is not None and best.seconds > 0 else None
+        return StartupBudget.for_checkpoint(self.checkpoint_bytes, measured)
 
     def to_json(self) -> dict[str, object]:
         """`serve --json`'s document: the plan, secrets masked, and the measurements with --tune."""
@@ -43,9 +59,15 @@ class ServeResult:
             document["tune"] = self.tune.to_json()
         return document
 
+    def warnings_for(self, kubernetes: ServeManifestOptions | None) -> tuple[str, ...]:
+        """The plan's warnings, less what a pod with a cloud identity needs not hear (a key for its --secret)."""
+        if kubernetes is None or kubernetes.identity is None:
+            return self.plan.warnings
+        return tuple(warning for warning in self.plan.warnings if POD_SECRET_WARNING not in warning)
+
     def kubernetes_yaml(self, kubernetes: ServeManifestOptions) -> str:
         """`serve --k8s`'s YAML; UsageError when it would hold a secret in clear text."""
-        return to_yaml_documents(serve_pod_manifests(self.plan, self.facts, self.options, kubernetes))
+        return serve_pod_yaml(self.plan, self.facts, self.options, kubernetes, startup=self.startup)
 
 
 def prepare_launch(
@@ -85,11 +107,15 @@ def prepare_launch(
         return replace(plan, warnings=checked.warnings + plan.warnings)
 
     plan = plan_for(options)
+    notes, expert_warnings = expert_notes(options, checked.experts, sharded=checked.sharded)
     tune_result = None
     if options.tune:
         tune_result = tune_concurrency(location, top_level_shards(location), plan.launch_env(), progress=progress)
         plan = plan_for(replace(options, concurrency=tune_result.best.concurrency))
-    return ServeResult(options, plan, checked.facts, tune_result, environ)
+    plan = replace(plan, notes=(*plan.notes, *notes), warnings=(*plan.warnings, *expert_warnings))
+    if for_kubernetes and checked.checkpoint_bytes is None:
+        plan = replace(plan, warnings=(*plan.warnings, UNSIZED_STARTUP_WARNING))
+    return ServeResult(options, plan, checked.facts, tune_result, environ, checkpoint_bytes=checked.checkpoint_bytes)
 
 
 def exec_vllm(result: ServeResult) -> NoReturn:

@@ -103,12 +103,17 @@ def detect_layout(location: Location, options: VerifyOptions = DEFAULT_OPTIONS) 
 
     Raises what `verify_checkpoint` raises for an empty location or one without top-level `.safetensors`.
     """
+    return listed_layout(location, options)[0]
+
+
+def listed_layout(location: Location, options: VerifyOptions = DEFAULT_OPTIONS) -> tuple[Layout, Listing]:
+    """`detect_layout`, and the one listing it was read from."""
     _check_options(options)
     listing = list_location(location)
     safetensors_names = sorted(name for name in listing.top_level if name.endswith(".safetensors"))
     if not safetensors_names:
         raise no_safetensors(location, listing)
-    return _layout(options, listing, safetensors_names)[2]
+    return _layout(options, listing, safetensors_names)[2], listing
 
 
 def _layout(
