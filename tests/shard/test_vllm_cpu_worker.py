@@ -444,9 +444,12 @@ def test_model_after_model_in_one_worker_stays_exact(worker: WorkerClient, model
 
 
 def test_stderr_carries_each_vllm_warning_once(worker: WorkerClient, written: dict) -> None:
-    """vLLM warns per model built; the worker builds one per layer and rank: each message must pass once."""
+    """vLLM warns per model built; the worker builds one per layer and rank: each message must pass once.
+    DeepSeek-V2's dense first layer, built alone for every rank and stage, logs "No DeepseekV2MoE layer" each
+    time (a plain logger.warning); "Reset SSM cache type" likewise, on CPUs with AVX-512 BF16 only."""
     lines = worker.log.read_text(errors="replace").splitlines()
-    assert sum("Reset SSM cache type" in line for line in lines) == 1, lines[:20]
+    assert sum("No DeepseekV2MoE layer found" in line for line in lines) == 1, lines[:20]
+    assert sum("Reset SSM cache type" in line for line in lines) <= 1, lines[:20]
     logged = [line for line in lines if "Runai Model Streamer" not in line]  # the check op's loader: a bar per rank
     repeated = {line for line in logged if line.strip() and logged.count(line) > 3}
     assert not repeated, sorted(repeated)[:5]
