@@ -6,27 +6,14 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from cli_helpers import run_cli
+from kube_models import check_with_models
 
 REPO = Path(__file__).resolve().parents[2]
 IMAGE = "registry.example/streamctl:0.1.0"
-
-
-def _as_kubernetes(document: dict[str, Any], model: str) -> Any:
-    from kubernetes import client
-
-    class _Response:
-        def __init__(self, data: object) -> None:
-            self.data = json.dumps(data)
-
-    api = client.ApiClient()
-    parsed = api.deserialize(_Response(document), model)
-    assert api.sanitize_for_serialization(parsed) == document  # every field is one the schema knows
-    return parsed
 
 
 def test_parallelism_prints_an_indexed_job_whose_pods_take_their_own_share() -> None:
@@ -38,7 +25,7 @@ def test_parallelism_prints_an_indexed_job_whose_pods_take_their_own_share() -> 
     )  # fmt: skip
     assert result.exit_code == 0, result.stderr
     document = yaml.safe_load(result.stdout)
-    job = _as_kubernetes(document, "V1Job")
+    job = check_with_models(document)  # every field is one the schema knows
     assert job.spec.completion_mode == "Indexed"
     assert (job.spec.completions, job.spec.parallelism) == (3, 3)
     assert job.spec.backoff_limit_per_index >= 3  # each pod retries on its own: a re-run skips what is done
