@@ -164,6 +164,18 @@ def command(
             rich_help_panel="Kubernetes",
         ),
     ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node",
+            min=1,
+            max=64,
+            metavar="N",
+            help="GPUs per node; TP x PP beyond it: a LeaderWorkerSet (default: by --accelerator, else 8).",
+            rich_help_panel="Kubernetes",
+            show_default=False,
+        ),
+    ] = None,
     cpu_weight_files: Annotated[
         str | None,
         typer.Option(
@@ -270,6 +282,7 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
         params["secret"],
         identity=IdentityOptions(identity.value, **values) if identity is not None else None,
         compile_cache_claim=params["compile_cache_pvc"],
+        gpus_per_node=params["gpus_per_node"],
     )
 
 
