@@ -33,6 +33,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from serve' -l azure-client-id 
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l azure-identity -r -F -d 'aks: the managed identity'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l resource-group -r -F -d 'aks: its resource group'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l compile-cache-pvc -r -F -d 'PVC for vLLM\'s compile caches (default: an emptyDir)'
+complete -c streamctl -n '__fish_seen_subcommand_from serve' -l gpus-per-node -r -F -d 'GPUs per node; TP x PP beyond it: a LeaderWorkerSet (default: by --accelerator, else 8)'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l cpu-weight-files -r -F -d 'EXPERIMENTAL: shards read on CPU'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l cpu-memory-limit -r -F -d 'EXPERIMENTAL: CPU phase budget'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l engram -r -F -d 'EXPERIMENTAL: Engram tensors that must be in those files'
