@@ -240,12 +240,16 @@ def _expanded(args: list[str], worker_index: int) -> list[str]:
 
 @requires_vllm_oracle
 def test_every_pods_command_line_passes_vllms_own_parser() -> None:
-    lws, _service = _manifests(8, ("--pipeline-parallel-size", "2", "--max-model-len", "8192"))
-    leader, worker = (template["spec"]["containers"][0]["args"] for template in _templates(lws))
-    argvs = [_expanded(leader, 0)[1:], _expanded(worker, 1)[1:]]  # after `vllm serve`
-    for verdict in check_serve_args_many(argvs):
+    argvs, formats = [], []
+    for sharded, load_format in ((False, "runai_streamer"), (True, "runai_streamer_sharded")):
+        lws, _service = _manifests(8, ("--pipeline-parallel-size", "2", "--max-model-len", "8192"), sharded=sharded)
+        leader, worker = (template["spec"]["containers"][0]["args"] for template in _templates(lws))
+        argvs += [_expanded(leader, 0)[1:], _expanded(worker, 1)[1:]]  # after `vllm serve`
+        formats += [load_format, load_format]
+    for verdict, load_format in zip(check_serve_args_many(argvs), formats, strict=True):
         assert verdict["ok"], verdict
-        assert verdict["load_format"] == "runai_streamer"
+        assert verdict["load_format"] == load_format
+    argvs = argvs[:2]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as jobs:
         json.dump({"argvs": [argv[1:] for argv in argvs]}, jobs)  # after `vllm serve MODEL`
     try:

@@ -77,7 +77,10 @@ def command(
         bool, typer.Option("--preflight/--no-preflight", help="Check credentials, headers and vllm first.")
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
-    k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
+    k8s: Annotated[
+        bool,
+        typer.Option("--k8s", help="Print a Kubernetes Deployment (LeaderWorkerSet across nodes) and Service instead."),
+    ] = False,
     namespace: Annotated[
         str,
         typer.Option(
