@@ -182,6 +182,14 @@ def test_a_group_that_does_not_fit_is_refused(flags: list[str], message: str) ->
     assert result.stdout == ""
 
 
+def test_the_refusal_comes_before_the_preflight_reads_anything() -> None:
+    # the pre-flight would read the bucket through this endpoint, where nothing listens
+    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    result = run_cli("serve", "s3://models/big", "--k8s", "-tp", "6", "--", "-pp", "4", env=env)
+    assert result.exit_code == 2, result.stderr
+    assert "would straddle two nodes" in result.stderr and "127.0.0.1" not in result.stderr, result.stderr
+
+
 def test_gpus_per_node_applies_only_with_k8s() -> None:
     result = run_cli("serve", "s3://models/big", "--dry-run", "--no-preflight", "--gpus-per-node", "4")
     assert result.exit_code == 2 and "--gpus-per-node applies only with --k8s" in result.stderr, result.stderr

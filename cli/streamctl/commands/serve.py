@@ -268,7 +268,11 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
     from streamctl.errors import UsageError
     from streamctl.k8s import ServeManifestOptions
     from streamctl.k8s_identity import IdentityOptions
+    from streamctl.k8s_multinode import NodeLayout
 
+    # before the pre-flight reads anything: a TP x PP group that does not split into whole nodes
+    argv = ("vllm", "serve", params["model"], *(params["vllm_args"] or ()))
+    NodeLayout.for_launch(params["tensor_parallel_size"], argv, params["gpus_per_node"], params["accelerator"])
     identity: IdentityOption | None = params["identity"]
     values = {key: params[key] for key in IDENTITY_VALUES}
     if identity is None:
