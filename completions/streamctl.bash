@@ -11,9 +11,9 @@ _streamctl() {
         serve)
             case "$prev" in
                 --identity) COMPREPLY=($(compgen -W "gke eks-irsa eks-pod-identity aks" -- "$cur")); return ;;
-                --tensor-parallel-size|-tp|--concurrency|--memory-limit|--pattern|--namespace|--name|--image|--service-account|--accelerator|--secret|--gcp-project|--gcp-project-number|--aws-role-arn|--cluster|--azure-client-id|--azure-identity|--resource-group|--compile-cache-pvc|--cpu-weight-files|--cpu-memory-limit|--engram|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --tensor-parallel-size|-tp|--concurrency|--memory-limit|--pattern|--namespace|--name|--image|--service-account|--accelerator|--secret|--gcp-project|--gcp-project-number|--aws-role-arn|--cluster|--azure-client-id|--azure-identity|--resource-group|--compile-cache-pvc|--gpus-per-node|--cpu-weight-files|--cpu-memory-limit|--engram|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--tensor-parallel-size -tp --concurrency --memory-limit --distributed --no-distributed --sharded --not-sharded --pattern --tune --preflight --no-preflight --dry-run --k8s --namespace --name --image --service-account --accelerator --secret --identity --gcp-project --gcp-project-number --aws-role-arn --cluster --azure-client-id --azure-identity --resource-group --compile-cache-pvc --cpu-weight-files --cpu-memory-limit --engram --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--tensor-parallel-size -tp --concurrency --memory-limit --distributed --no-distributed --sharded --not-sharded --pattern --tune --preflight --no-preflight --dry-run --k8s --namespace --name --image --service-account --accelerator --secret --identity --gcp-project --gcp-project-number --aws-role-arn --cluster --azure-client-id --azure-identity --resource-group --compile-cache-pvc --gpus-per-node --cpu-weight-files --cpu-memory-limit --engram --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         shard)
             case "$prev" in
                 --dtype) COMPREPLY=($(compgen -W "auto bfloat16 float16 float32" -- "$cur")); return ;;

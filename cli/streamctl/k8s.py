@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from streamctl.errors import UsageError
 from streamctl.k8s_identity import IdentityOptions, IdentityPlan, identity_plan, static_keys
+from streamctl.k8s_multinode import NodeLayout
 from streamctl.k8s_names import (
     DEST_ANNOTATION,
     JOB_NAME_LIMIT,
@@ -287,6 +288,7 @@ class ServeManifestOptions:
     secret: str | None = None  # a Secret whose keys become environment variables
     identity: IdentityOptions | None = None  # the cloud identity the pod reads the bucket as (k8s_identity)
     compile_cache_claim: str | None = None  # a PersistentVolumeClaim for vLLM's compile caches, else an emptyDir
+    gpus_per_node: int | None = None  # else from the accelerator type, else 8 (k8s_multinode)
 
     def validate(self, model: str) -> None:
         """UsageError for a local `model` (the pod cannot read it), a name Kubernetes would refuse, or an
@@ -416,7 +418,11 @@ def _serve_pod(
         endpoint=plan.env.get("AWS_ENDPOINT_URL"),
         account=plan.env.get("AZURE_STORAGE_ACCOUNT_NAME"),
     )
-    tp = options.tensor_parallel_size
+    # TP x PP on one pod, or a LeaderWorkerSet of whole nodes (k8s_multinode); UsageError when it does not fit
+    layout = NodeLayout.for_launch(
+        options.tensor_parallel_size, plan.argv, kubernetes.gpus_per_node, kubernetes.accelerator
+    )
+    tp = layout.gpus_per_pod
     budget = startup or StartupBudget(facts.total_bytes if facts else None)
     name = kubernetes.name or derived_name("vllm", *places.values())
     identity = None
@@ -451,6 +457,8 @@ def _serve_pod(
     )
     if identity is not None:
         refuse_static_keys(documents)
+    documents = layout.manifests(documents)
+    if identity is not None:
         documents.insert(0, identity.service_account)  # first: the pod's ServiceAccount must exist before it
     return documents, identity
 

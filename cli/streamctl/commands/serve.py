@@ -77,7 +77,10 @@ def command(
         bool, typer.Option("--preflight/--no-preflight", help="Check credentials, headers and vllm first.")
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
-    k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
+    k8s: Annotated[
+        bool,
+        typer.Option("--k8s", help="Print a Kubernetes Deployment (LeaderWorkerSet across nodes) and Service instead."),
+    ] = False,
     namespace: Annotated[
         str,
         typer.Option(
@@ -162,6 +165,18 @@ def command(
             metavar="CLAIM",
             help="PVC for vLLM's compile caches (default: an emptyDir).",
             rich_help_panel="Kubernetes",
+        ),
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(
+            "--gpus-per-node",
+            min=1,
+            max=64,
+            metavar="N",
+            help="GPUs per node; TP x PP beyond it: a LeaderWorkerSet (default: by --accelerator, else 8).",
+            rich_help_panel="Kubernetes",
+            show_default=False,
         ),
     ] = None,
     cpu_weight_files: Annotated[
@@ -253,7 +268,11 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
     from streamctl.errors import UsageError
     from streamctl.k8s import ServeManifestOptions
     from streamctl.k8s_identity import IdentityOptions
+    from streamctl.k8s_multinode import NodeLayout
 
+    # before the pre-flight reads anything: a TP x PP group that does not split into whole nodes
+    argv = ("vllm", "serve", params["model"], *(params["vllm_args"] or ()))
+    NodeLayout.for_launch(params["tensor_parallel_size"], argv, params["gpus_per_node"], params["accelerator"])
     identity: IdentityOption | None = params["identity"]
     values = {key: params[key] for key in IDENTITY_VALUES}
     if identity is None:
@@ -270,6 +289,7 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
         params["secret"],
         identity=IdentityOptions(identity.value, **values) if identity is not None else None,
         compile_cache_claim=params["compile_cache_pvc"],
+        gpus_per_node=params["gpus_per_node"],
     )
 
 
