@@ -78,6 +78,9 @@ def command(
     ] = True,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command and environment; run nothing.")] = False,
     k8s: Annotated[bool, typer.Option("--k8s", help="Print a Kubernetes Deployment and Service instead.")] = False,
+    kserve: Annotated[
+        bool, typer.Option("--kserve", help="Print a KServe LLMInferenceService instead (storage initializer off).")
+    ] = False,
     namespace: Annotated[
         str,
         typer.Option(
@@ -197,7 +200,7 @@ def command(
 ) -> None:
     """Launch vLLM with the Run:ai Model Streamer: validated, tuned, checked before the GPUs spin.
 
-    Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s this process becomes vLLM.
+    Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s/--kserve this process becomes vLLM.
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.errors import PreflightFailed
@@ -220,8 +223,8 @@ def command(
         tune=tune,
     )
     options.validate()
-    check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
-    kubernetes = _kubernetes_options(ctx.params) if k8s else None
+    check_mode_options(ctx, k8s or kserve, "--k8s or --kserve", "Kubernetes")
+    kubernetes = _kubernetes_options(ctx.params)
     if kubernetes is not None:
         kubernetes.validate(options.model)
     refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
@@ -229,7 +232,7 @@ def command(
     check_option_scope(ctx, [options.model])
     try:
         with output.progress() as progress:
-            result = prepare_launch(options, for_kubernetes=k8s, progress=progress)
+            result = prepare_launch(options, for_kubernetes=kubernetes is not None, progress=progress)
     except PreflightFailed as failure:  # the findings on stderr, also with --json (stdout: the error document)
         output.render_verify_report(failure.report, to_stderr=True)
         raise
@@ -247,12 +250,22 @@ IDENTITY_VALUES = (
 )
 
 
-def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
-    """`serve --k8s`'s section of options, from the command's parameters; UsageError for an identity's value
-    without --identity."""
+def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions | None:
+    """`serve --k8s`'s (or `--kserve`'s) section of options, from the command's parameters, None without either;
+    UsageError for both, for --kserve with --json, or for an identity's value without --identity."""
     from streamctl.errors import UsageError
     from streamctl.k8s import ServeManifestOptions
     from streamctl.k8s_identity import IdentityOptions
+
+    if params["k8s"] and params["kserve"]:
+        raise UsageError(
+            "--k8s and --kserve together: one prints a Deployment, the other a KServe LLMInferenceService",
+            hint="drop one of them",
+        )
+    if params["kserve"] and params["json_output"]:
+        raise UsageError("--kserve and --json together: --kserve prints the manifests as YAML", hint="drop one of them")
+    if not (params["k8s"] or params["kserve"]):
+        return None
 
     identity: IdentityOption | None = params["identity"]
     values = {key: params[key] for key in IDENTITY_VALUES}
@@ -270,6 +283,7 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
         params["secret"],
         identity=IdentityOptions(identity.value, **values) if identity is not None else None,
         compile_cache_claim=params["compile_cache_pvc"],
+        kserve=params["kserve"],
     )
 
 
