@@ -146,7 +146,11 @@ def test_tls_flags_are_the_templates_under_its_condition() -> None:
     # config-llm-template: {{ if .GlobalConfig.EnableTLS }}--enable-ssl-refresh / --ssl-certfile / --ssl-keyfile
     assert TLS_CONDITION == "{{ if .GlobalConfig.EnableTLS }}"
     assert script == f'exec "$@"{TLS_CONDITION} {TLS_FLAGS}{{{{ end }}}}'
-    for flag in ("--enable-ssl-refresh", "--ssl-certfile /var/run/kserve/tls/tls.crt", "--ssl-keyfile /var/run/kserve/tls/tls.key"):
+    for flag in (
+        "--enable-ssl-refresh",
+        "--ssl-certfile /var/run/kserve/tls/tls.crt",
+        "--ssl-keyfile /var/run/kserve/tls/tls.key",
+    ):
         assert flag in script
 
 
@@ -165,7 +169,12 @@ def test_a_users_braces_are_not_a_go_template() -> None:
         (
             "aks",
             "az://models/llama",
-            {"azure_client_id": "00000000-1111-2222-3333-444444444444", "azure_identity": "vllm-id", "resource_group": "ml-rg", "cluster": "aks1"},
+            {
+                "azure_client_id": "00000000-1111-2222-3333-444444444444",
+                "azure_identity": "vllm-id",
+                "resource_group": "ml-rg",
+                "cluster": "aks1",
+            },
         ),
     ],
 )
@@ -222,8 +231,10 @@ def test_vllm_parses_the_command_line_with_and_without_tls() -> None:
 # -- the command line ------------------------------------------------------------------------------------
 
 
-def test_the_cli_prints_the_service(tmp_path: Any) -> None:
-    result = run_cli("serve", "s3://models/llama", "--no-preflight", "--not-sharded", "--kserve", "-tp", "2", env=NO_ENDPOINT)
+def test_the_cli_prints_the_service() -> None:
+    result = run_cli(
+        "serve", "s3://models/llama", "--no-preflight", "--not-sharded", "--kserve", "-tp", "2", env=NO_ENDPOINT
+    )
     assert result.exit_code == 0, result.stderr
     service = _service(list(yaml.safe_load_all(result.stdout)))
     assert service["spec"]["parallelism"] == {"tensor": 2}
