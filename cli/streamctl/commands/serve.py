@@ -320,4 +320,8 @@ EXAMPLES = (
         "Write a GKE Deployment and Service for it:",
         "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml",
     ),
+    (
+        "Or a KServe LLMInferenceService that streams it (no storage initializer):",
+        "streamctl serve gs://m/q3 --kserve -tp 2 > llmisvc.yaml",
+    ),
 )
