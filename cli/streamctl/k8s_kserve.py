@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TypeVar, cast
 
+from streamctl.errors import UsageError
 from streamctl.k8s import (
     ServeManifestOptions,
     StartupBudget,
@@ -114,7 +115,14 @@ def llm_inference_service(
     a local model refused, no secret in clear text, no static key next to an identity); the served model's
     name is the `--served-model-name` of vLLM's arguments, else the service's name, which is added to them."""
     documents, identity = serve_pod_documents(plan, facts, options, kubernetes, startup=startup)
-    (deployment,) = [document for document in documents if document["kind"] == "Deployment"]
+    deployments = [document for document in documents if document["kind"] == "Deployment"]
+    if len(deployments) != 1:  # the pod's GPUs span nodes: KServe's multi-node mode is data/expert parallel only
+        raise UsageError(
+            "--kserve: this launch needs more than one pod, and KServe's LLMInferenceService spans nodes only for "
+            "data and expert parallelism, not TP x PP",
+            hint="use --k8s for TP x PP across nodes, or fewer GPUs per replica",
+        )
+    (deployment,) = deployments
     accounts = [document for document in documents if document["kind"] == "ServiceAccount"]
     metadata = cast(dict[str, object], deployment["metadata"])
     template = cast(dict[str, dict[str, object]], cast(dict[str, object], deployment["spec"])["template"])

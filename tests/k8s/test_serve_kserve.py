@@ -203,6 +203,17 @@ def test_no_secret_reaches_the_output() -> None:
         _documents("s3://models/llama/70b", vllm_args=("--api-key", "sk-live-123"))
 
 
+def test_a_launch_beyond_one_pod_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the pod builder gives no single Deployment (TP x PP across nodes), --kserve says why."""
+    import streamctl.k8s_kserve as k8s_kserve
+
+    monkeypatch.setattr(
+        k8s_kserve, "serve_pod_documents", lambda *args, **kwargs: ([{"kind": "LeaderWorkerSet"}], None)
+    )
+    with pytest.raises(UsageError, match="spans nodes only for data and expert parallelism"):
+        _documents("s3://models/m", tp=8, vllm_args=("-pp", "2"))
+
+
 def test_the_schema_catches_a_wrong_field() -> None:
     """The CRD check can fail: an unknown field and a wrong type are both found."""
     _text, documents = _documents("s3://models/m")
