@@ -18,6 +18,7 @@ complete -c streamctl -n '__fish_seen_subcommand_from serve' -l tune -d 'Measure
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l preflight -l no-preflight -d 'Check credentials, headers and vllm first'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l dry-run -d 'Print the command and environment; run nothing'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l k8s -d 'Print a Kubernetes Deployment (LeaderWorkerSet across nodes) and Service instead'
+complete -c streamctl -n '__fish_seen_subcommand_from serve' -l kserve -d 'Print a KServe LLMInferenceService instead (storage initializer off)'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l namespace -r -F -d 'Namespace of the Deployment and Service'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l name -r -F -d 'Deployment name'
 complete -c streamctl -n '__fish_seen_subcommand_from serve' -l image -r -F -d 'vLLM image (default: vllm/vllm-openai:v0.33.0)'

@@ -16,6 +16,7 @@ import yaml
 SCHEMAS = Path(__file__).resolve().parent / "k8s" / "schemas"
 CRDS = {  # (apiVersion, kind) -> the CRD's file
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
+    ("serving.kserve.io/v1alpha2", "LLMInferenceService"): "serving.kserve.io_llminferenceservices.yaml",
 }
 
 

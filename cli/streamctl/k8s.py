@@ -289,11 +289,12 @@ class ServeManifestOptions:
     identity: IdentityOptions | None = None  # the cloud identity the pod reads the bucket as (k8s_identity)
     compile_cache_claim: str | None = None  # a PersistentVolumeClaim for vLLM's compile caches, else an emptyDir
     gpus_per_node: int | None = None  # else from the accelerator type, else 8 (k8s_multinode)
+    kserve: bool = False  # `serve --kserve`: KServe's LLMInferenceService for the pod (k8s_kserve.py)
 
     def validate(self, model: str) -> None:
         """UsageError for a local `model` (the pod cannot read it), a name Kubernetes would refuse, or an
         identity that does not fit: what `serve --k8s` checks before anything else (the pre-flight included)."""
-        refuse_pod_local("--k8s", "MODEL", model)
+        refuse_pod_local("--kserve" if self.kserve else "--k8s", "MODEL", model)
         check_manifest_names(
             namespace=self.namespace,
             name=self.name,
@@ -402,6 +403,18 @@ def serve_pod_yaml(
     """`serve_pod_manifests` as YAML, headed with an identity's cloud-side steps as a comment."""
     documents, identity = _serve_pod(plan, facts, options, kubernetes, startup)
     return (identity.comment() if identity is not None else "") + to_yaml_documents(documents)
+
+
+def serve_pod_documents(
+    plan: LaunchPlan,
+    facts: CheckpointFacts | None,
+    options: ServeOptions,
+    kubernetes: ServeManifestOptions,
+    *,
+    startup: StartupBudget | None = None,
+) -> tuple[list[dict[str, object]], IdentityPlan | None]:
+    """`serve_pod_manifests` with the identity's plan: what the other kinds of pod are built from (k8s_kserve)."""
+    return _serve_pod(plan, facts, options, kubernetes, startup)
 
 
 def _serve_pod(

@@ -81,6 +81,9 @@ def command(
         bool,
         typer.Option("--k8s", help="Print a Kubernetes Deployment (LeaderWorkerSet across nodes) and Service instead."),
     ] = False,
+    kserve: Annotated[
+        bool, typer.Option("--kserve", help="Print a KServe LLMInferenceService instead (storage initializer off).")
+    ] = False,
     namespace: Annotated[
         str,
         typer.Option(
@@ -212,7 +215,7 @@ def command(
 ) -> None:
     """Launch vLLM with the Run:ai Model Streamer: validated, tuned, checked before the GPUs spin.
 
-    Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s this process becomes vLLM.
+    Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s/--kserve this process becomes vLLM.
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.errors import PreflightFailed
@@ -235,8 +238,8 @@ def command(
         tune=tune,
     )
     options.validate()
-    check_mode_options(ctx, k8s, "--k8s", "Kubernetes")
-    kubernetes = _kubernetes_options(ctx.params) if k8s else None
+    check_mode_options(ctx, k8s or kserve, "--k8s or --kserve", "Kubernetes")
+    kubernetes = _kubernetes_options(ctx.params)
     if kubernetes is not None:
         kubernetes.validate(options.model)
     refuse_together(ctx, "concurrency", "tune", "--tune measures the concurrency and uses the fastest")
@@ -244,7 +247,7 @@ def command(
     check_option_scope(ctx, [options.model])
     try:
         with output.progress() as progress:
-            result = prepare_launch(options, for_kubernetes=k8s, progress=progress)
+            result = prepare_launch(options, for_kubernetes=kubernetes is not None, progress=progress)
     except PreflightFailed as failure:  # the findings on stderr, also with --json (stdout: the error document)
         output.render_verify_report(failure.report, to_stderr=True)
         raise
@@ -262,13 +265,23 @@ IDENTITY_VALUES = (
 )
 
 
-def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
-    """`serve --k8s`'s section of options, from the command's parameters; UsageError for an identity's value
-    without --identity."""
+def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions | None:
+    """`serve --k8s`'s (or `--kserve`'s) section of options, from the command's parameters, None without either;
+    UsageError for both, for --kserve with --json, or for an identity's value without --identity."""
     from streamctl.errors import UsageError
     from streamctl.k8s import ServeManifestOptions
     from streamctl.k8s_identity import IdentityOptions
     from streamctl.k8s_multinode import NodeLayout
+
+    if params["k8s"] and params["kserve"]:
+        raise UsageError(
+            "--k8s and --kserve together: one prints a Deployment, the other a KServe LLMInferenceService",
+            hint="drop one of them",
+        )
+    if params["kserve"] and params["json_output"]:
+        raise UsageError("--kserve and --json together: --kserve prints the manifests as YAML", hint="drop one of them")
+    if not (params["k8s"] or params["kserve"]):
+        return None
 
     # before the pre-flight reads anything: a TP x PP group that does not split into whole nodes
     argv = ("vllm", "serve", params["model"], *(params["vllm_args"] or ()))
@@ -290,6 +303,7 @@ def _kubernetes_options(params: dict[str, Any]) -> ServeManifestOptions:
         identity=IdentityOptions(identity.value, **values) if identity is not None else None,
         compile_cache_claim=params["compile_cache_pvc"],
         gpus_per_node=params["gpus_per_node"],
+        kserve=params["kserve"],
     )
 
 
@@ -325,5 +339,9 @@ EXAMPLES = (
     (
         "Write a GKE Deployment and Service for it:",
         "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml",
+    ),
+    (
+        "Or a KServe LLMInferenceService that streams it (no storage initializer):",
+        "streamctl serve gs://m/q3 --kserve -tp 2 > llmisvc.yaml",
     ),
 )

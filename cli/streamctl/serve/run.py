@@ -11,6 +11,7 @@ from typing import NoReturn
 
 from streamctl.errors import MissingProgramError, UsageError
 from streamctl.k8s import ENGINE_START_S, ServeManifestOptions, StartupBudget, serve_pod_yaml
+from streamctl.k8s_kserve import kserve_yaml
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.serve.plan import (
     POD_SECRET_WARNING,
@@ -66,7 +67,9 @@ class ServeResult:
         return tuple(warning for warning in self.plan.warnings if POD_SECRET_WARNING not in warning)
 
     def kubernetes_yaml(self, kubernetes: ServeManifestOptions) -> str:
-        """`serve --k8s`'s YAML; UsageError when it would hold a secret in clear text."""
+        """`serve --k8s`'s YAML (`--kserve`'s); UsageError when it would hold a secret in clear text."""
+        if kubernetes.kserve:
+            return kserve_yaml(self.plan, self.facts, self.options, kubernetes, startup=self.startup)
         return serve_pod_yaml(self.plan, self.facts, self.options, kubernetes, startup=self.startup)
 
 
