@@ -36,7 +36,7 @@ SDK_HOMES = {
     "azure": "streamctl.storage.azure",
     "huggingface_hub": "streamctl.storage.hf",
 }
-BACKEND_MODULES = tuple(f"streamctl.storage.{name}" for name in ("local", "s3", "gcs", "azure", "hf"))
+BACKEND_MODULES = tuple(f"streamctl.storage.{name}" for name in ("local", "local_uploads", "s3", "gcs", "azure", "hf"))
 FUNCTION_BODY_LIMIT = 80
 COMMAND_BODY_LIMIT = 40
 
