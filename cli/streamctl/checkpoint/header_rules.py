@@ -14,6 +14,7 @@ from typing import Any
 from streamctl.checkpoint.header_json import DuplicateKey
 from streamctl.checkpoint.header_types import (
     DTYPE_BITS,
+    HEADER_LENGTH_BYTES,
     MAX_DIM,
     TENSOR_FIELDS,
     U64_MAX,
@@ -231,9 +232,30 @@ def check_contiguity(spans: Sequence[TensorInfo | Span]) -> Iterator[HeaderProbl
         expected_begin = max(expected_begin, span.end)
 
 
-def first_cut_tensor(spans: Sequence[TensorInfo | Span], data_available: int) -> TensorInfo | Span:
+def _first_cut_tensor(spans: Sequence[TensorInfo | Span], data_available: int) -> TensorInfo | Span:
     """The tensor a reader fails on in a truncated file: the first, in file order, whose data ends past it."""
     return min((span for span in spans if span.end > data_available), key=lambda span: (span.begin, span.end))
+
+
+def check_file_size(spans: Sequence[TensorInfo | Span], header_length: int, object_size: int) -> HeaderProblem | None:
+    """Rule 9: the object ends where the data of the last tensor does (`spans`: every entry's offsets, laid
+    out contiguously)."""
+    data_end = max((span.end for span in spans), default=0)
+    expected = HEADER_LENGTH_BYTES + header_length + data_end
+    if expected > object_size:
+        cut = _first_cut_tensor(spans, object_size - HEADER_LENGTH_BYTES - header_length)
+        return header_error(
+            "file-truncated",
+            f"header and offsets need {expected:,} bytes; the object has {object_size:,}, so this "
+            "tensor's data is cut short (and any after it)",
+            printable(cut.name),
+        )
+    if expected < object_size:
+        return header_error(
+            "file-trailing-bytes",
+            f"the object has {object_size - expected:,} bytes after the last tensor ({object_size:,} > {expected:,})",
+        )
+    return None
 
 
 def entry_duplicates(name: str, entry: Any, duplicates: Sequence[DuplicateKey]) -> Iterator[HeaderProblem]:

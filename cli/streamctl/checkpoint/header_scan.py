@@ -32,17 +32,16 @@ from streamctl.checkpoint.header_rules import (
     Span,
     check_contiguity,
     check_entry,
+    check_file_size,
     check_metadata,
     check_sizes,
     entry_duplicates,
-    first_cut_tensor,
     has_lone_surrogate,
     metadata_duplicates,
     shown_shape,
 )
 from streamctl.checkpoint.header_types import (
     DTYPE_BITS,
-    HEADER_LENGTH_BYTES,
     HF_MAX_HEADER_BYTES,
     MAX_DIM,
     METADATA_KEY,
@@ -256,26 +255,9 @@ def parse_header(header_json: bytes, object_size: int | None = None) -> ParsedHe
         log.extend(check_contiguity([*tensors, *spans]))
     contiguous = all_spans and not any(code in log.counts for code in _LAYOUT_CODES)
     if object_size is not None and contiguous:
-        data_end = max(max((tensor.end for tensor in tensors), default=0), max((span.end for span in spans), default=0))
-        expected = HEADER_LENGTH_BYTES + header_length + data_end
-        if expected > object_size:
-            cut = first_cut_tensor([*tensors, *spans], object_size - HEADER_LENGTH_BYTES - header_length)
-            log.add(
-                header_error(
-                    "file-truncated",
-                    f"header and offsets need {expected:,} bytes; the object has {object_size:,}, so this "
-                    "tensor's data is cut short (and any after it)",
-                    printable(cut.name),
-                )
-            )
-        elif expected < object_size:
-            log.add(
-                header_error(
-                    "file-trailing-bytes",
-                    f"the object has {object_size - expected:,} bytes after the last tensor "
-                    f"({object_size:,} > {expected:,})",
-                )
-            )
+        size_problem = check_file_size([*tensors, *spans], header_length, object_size)
+        if size_problem is not None:
+            log.add(size_problem)
     complete = len(tensors) == entries
     return ParsedHeader(
         header_length, tuple(tensors), metadata, tuple(log.kept), complete=complete, dropped=log.dropped()
