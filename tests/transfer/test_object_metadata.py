@@ -20,7 +20,7 @@ from streamctl.shard.run import shard_checkpoint
 from streamctl.storage import open_location
 from streamctl.storage import s3 as s3_module
 from streamctl.storage.base import Location, content_type_for
-from streamctl.storage.local import MIME_TYPE_XATTR
+from streamctl.storage.local_fs import MIME_TYPE_XATTR
 from streamctl.storage.url import source_identity
 from streamctl.transfer import TransferOptions, execute_transfer, plan_transfer
 from tiny_models import write_tiny_checkpoint

@@ -11,6 +11,9 @@ opens with O_NONBLOCK and checks fstat before reading a byte. Symbolic links are
 resolve inside the folder named, unless the store was opened with `follow_symlinks`; the others are left
 out and reported. Writes never go through a link below the folder named: each parent folder is opened with
 O_NOFOLLOW from the one above it (openat-style), and the final rename replaces a link rather than follow it.
+
+The upload itself (`LocalMultipartUpload`) is storage/local_uploads.py; the file-system helpers both use
+(extended attributes, entry kinds, opening a folder without following a link) are storage/local_fs.py.
 """
 
 from __future__ import annotations
@@ -20,28 +23,18 @@ import errno
 import hashlib
 import os
 import stat as stat_mode
-import threading
-import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 
-from streamctl._libc import start_writeback
-from streamctl.errors import (
-    NotFoundError,
-    PreconditionFailed,
-    RemoteError,
-    UsageError,
-)
+from streamctl.errors import NotFoundError, PreconditionFailed, RemoteError, UsageError
 from streamctl.oserrors import from_os_error
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
-    HeldPart,
     ListingNote,
     ObjectInfo,
-    PositionalWrite,
     StorageOptions,
     TemporaryName,
     UnfinishedUpload,
@@ -51,71 +44,24 @@ from streamctl.storage.base import (
     temporary_key,
     unsafe_path_reason,
 )
+from streamctl.storage.local_fs import (
+    FOLDER_FLAGS,
+    KIND_WORDS,
+    entry_kind,
+    not_regular,
+    open_folder,
+    read_metadata,
+    write_metadata,
+)
+from streamctl.storage.local_uploads import (
+    TEMPORARY_FOLDER_ATTEMPTS,
+    LocalMultipartUpload,
+    create_temporary,
+    remove_upload_folder,
+)
 from streamctl.storage.url import ParsedURL
 
-# Where files keep their Content-Type: the freedesktop.org shared-mime-info attribute (file managers read it).
-MIME_TYPE_XATTR = "user.mime_type"
-
-_XATTR_PREFIX = "user.streamctl."
-_FOLDER_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def _read_metadata(target: Path | str | int) -> dict[str, str]:
-    try:
-        names = os.listxattr(target)
-    except (OSError, AttributeError):
-        return {}
-    metadata = {}
-    for name in names:
-        if name.startswith(_XATTR_PREFIX):
-            try:
-                metadata[name[len(_XATTR_PREFIX) :]] = os.getxattr(target, name).decode("utf-8", "replace")
-            except OSError:
-                continue
-    return metadata
-
-
-def _write_metadata(target: int | Path, metadata: Mapping[str, str] | None, content_type: str | None = None) -> None:
-    attributes = {_XATTR_PREFIX + name.lower(): value for name, value in (metadata or {}).items()}
-    if content_type:
-        attributes[MIME_TYPE_XATTR] = content_type
-    for name, value in attributes.items():
-        try:
-            os.setxattr(target, name, value.encode())
-        except (OSError, AttributeError):
-            return  # no xattr support here: metadata is an optimisation, not a requirement
-
-
 # ------------------------------------------------------------------------------------ what may be read
-
-_KIND_WORDS = {
-    "fifo": "a FIFO (named pipe)",
-    "socket": "a unix socket",
-    "char-device": "a character device",
-    "block-device": "a block device",
-    "folder": "a folder",
-    "special": "a special file",
-}
-
-
-def _kind(mode: int) -> str:
-    for test, kind in (
-        (stat_mode.S_ISFIFO, "fifo"),
-        (stat_mode.S_ISSOCK, "socket"),
-        (stat_mode.S_ISCHR, "char-device"),
-        (stat_mode.S_ISBLK, "block-device"),
-        (stat_mode.S_ISDIR, "folder"),
-    ):
-        if test(mode):
-            return kind
-    return "special"
-
-
-def _not_regular(path: Path, mode: int) -> UsageError:
-    return UsageError(
-        f"{path} is {_KIND_WORDS[_kind(mode)]}, not a regular file",
-        hint="streamctl reads only regular files: replace it with the file itself",
-    )
 
 
 def _inside(path: str, root: str) -> bool:
@@ -140,52 +86,6 @@ class _Scan:
     notes: list[ListingNote] = field(default_factory=list)
 
 
-def _open_folder(parent_fd: int, name: str, shown: Path, create: bool) -> int:
-    """The folder `name` in `parent_fd` as a descriptor, created first if asked; never through a link.
-    Raises OSError as the system does, except for a link (UsageError)."""
-    if create:
-        try:
-            os.mkdir(name, 0o777, dir_fd=parent_fd)
-        except FileExistsError:
-            pass
-    try:
-        return os.open(name, _FOLDER_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
-    except OSError as error:
-        if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            try:
-                is_link = stat_mode.S_ISLNK(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode)
-            except OSError:
-                is_link = False
-            if is_link:
-                raise UsageError(
-                    f"{shown} is a symbolic link; streamctl never writes through links inside DEST",
-                    hint="remove the link, or name the folder it points to as DEST",
-                ) from None
-        raise
-
-
-# How often a write makes `.streamctl-tmp` again when other writes' clean-ups keep removing it under it.
-TEMPORARY_FOLDER_ATTEMPTS = 10
-
-
-def _remove_upload_folder(parent_fd: int, token: str) -> None:
-    """Remove an upload's empty TOKEN folder, and the temporary folder when no other upload uses it."""
-    try:
-        temporary_fd = os.open(TEMPORARY_FOLDER, _FOLDER_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
-    except OSError:
-        return
-    try:
-        os.rmdir(token, dir_fd=temporary_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(temporary_fd)
-    try:
-        os.rmdir(TEMPORARY_FOLDER, dir_fd=parent_fd)
-    except OSError:
-        pass  # other uploads (or a user's own files) are still there
-
-
 # ------------------------------------------------------------------------------------------- writing
 
 
@@ -206,7 +106,7 @@ def _write_new_file(path: Path, data: bytes, metadata: Mapping[str, str] | None)
         stat = os.fstat(fd)
     finally:
         os.close(fd)
-    _write_metadata(path, metadata)
+    write_metadata(path, metadata)
     return stat
 
 
@@ -228,162 +128,6 @@ class _FolderLock:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the lock
             self.fd = None
-
-
-@dataclass
-class LocalMultipartUpload:
-    key: str
-    part_size: int
-    final_path: Path
-    metadata: Mapping[str, str]
-    token: str
-    _parent_fd: int  # the final name's folder, opened without following links
-    _token_fd: int  # .streamctl-tmp/TOKEN inside it, which holds the file under its final name
-    _fd: int | None
-    content_type: str | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    _state: str = "open"  # "open", "completed" or "aborted"
-    _held: builtins.list[HeldPart] = field(default_factory=list)
-
-    @property
-    def temporary_path(self) -> Path:
-        return self.final_path.parent / TEMPORARY_FOLDER / self.token / self.final_path.name
-
-    def upload_part(self, index: int, data: bytes | memoryview) -> None:
-        self.write_at(index * self.part_size, data)
-
-    def write_at(self, offset: int, data: bytes | memoryview) -> None:
-        """Write bytes at any offset, looping on short writes (Linux writes at most ~2 GiB per call).
-
-        Also for writers that stream a file in order (shard): it spares assembling fixed-size parts.
-        Writeback of what was written starts at once, so complete()'s fsync does not wait for the whole
-        file: measured writing 3.1 GB here, 1.0-1.2 s instead of 2.6-3.2 s (the fsync alone took ~0.9 s)."""
-        fd = self._fd
-        if fd is None:
-            raise UsageError(f"upload of {self.key} is already finished")
-        view = memoryview(data).cast("B")
-        start = offset
-        try:
-            while view:
-                done = os.pwrite(fd, view, offset)
-                view = view[done:]
-                offset += done
-            start_writeback(fd, start, offset - start)
-        except OSError as error:
-            raise from_os_error(error, self.final_path) from None
-
-    def positional_writer(self) -> PositionalWrite:
-        return self.write_at
-
-    def held_parts(self) -> builtins.list[HeldPart]:
-        return list(self._held)
-
-    def _read_back_parts(self) -> None:
-        """The parts of the partial file an earlier run left, read back: what its bytes are, part by part
-        (a part never written reads as zeros, and a part cut short by the kill is short: neither matches)."""
-        try:
-            fd = os.open(self.final_path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._token_fd)
-        except OSError as error:
-            raise from_os_error(error, self.temporary_path) from None
-        try:
-            size = os.fstat(fd).st_size
-            for index, start in enumerate(range(0, size, self.part_size)):
-                length = min(self.part_size, size - start)
-                crc = 0  # a digest of our own: CRC32, ~8x faster than MD5 (see part_digest)
-                for offset in range(start, start + length, 8 << 20):
-                    crc = zlib.crc32(os.pread(fd, min(8 << 20, start + length - offset), offset), crc)
-                self._held.append(HeldPart(index, length, f"{crc:08x}", "crc32"))
-        except OSError as error:
-            raise from_os_error(error, self.temporary_path) from None
-        finally:
-            os.close(fd)
-
-    def complete(self, metadata: Mapping[str, str] | None = None) -> ObjectInfo:
-        if metadata:
-            self.metadata = {**self.metadata, **metadata}
-        name = self.final_path.name
-        with self._lock:
-            if self._state != "open" or self._fd is None:
-                raise UsageError(f"upload of {self.key} is already finished")
-            try:
-                os.fsync(self._fd)
-                _write_metadata(self._fd, self.metadata, self.content_type)
-                os.close(self._fd)
-                self._fd = None
-                # rename() replaces a link at the final name; it never writes where the link points.
-                os.rename(name, name, src_dir_fd=self._token_fd, dst_dir_fd=self._parent_fd)
-                size = os.stat(name, dir_fd=self._parent_fd, follow_symlinks=False).st_size
-            except OSError as error:
-                raise from_os_error(error, self.final_path) from None
-            self._state = "completed"
-            self._close_folders()
-        # Lower-cased like the stored attributes, so complete() and stat() agree (see ObjectInfo).
-        return ObjectInfo(self.key, size, None, {name.lower(): value for name, value in self.metadata.items()})
-
-    def abort(self) -> None:
-        with self._lock:
-            if self._state != "open":
-                return
-            self._state = "aborted"
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-            try:
-                os.unlink(self.final_path.name, dir_fd=self._token_fd)
-            except FileNotFoundError:
-                pass
-            except OSError as error:
-                raise from_os_error(error, self.temporary_path) from None
-            finally:
-                self._close_folders()
-
-    def _close_folders(self) -> None:
-        _remove_upload_folder(self._parent_fd, self.token)
-        os.close(self._token_fd)
-        os.close(self._parent_fd)
-
-
-def _create_temporary(parent_fd: int, name: str, final: Path, resume: str | None = None) -> tuple[str, int, int, bool]:
-    """(token, TOKEN folder descriptor, file descriptor, whether it was there) of a new temporary file for
-    `final`; with `resume`, the temporary file of that token reopened when an earlier run left one."""
-    token = resume or new_temporary_token()
-    shown = final.parent / TEMPORARY_FOLDER
-    for _ in range(TEMPORARY_FOLDER_ATTEMPTS):
-        try:
-            temporary_fd = _open_folder(parent_fd, TEMPORARY_FOLDER, shown, create=True)
-            try:
-                try:
-                    os.mkdir(token, 0o700, dir_fd=temporary_fd)
-                except FileExistsError:
-                    if resume is None:
-                        raise
-                token_fd = os.open(token, _FOLDER_FLAGS | os.O_NOFOLLOW, dir_fd=temporary_fd)
-            finally:
-                os.close(temporary_fd)
-            break
-        except FileNotFoundError:
-            continue  # another upload's clean-up removed the emptied temporary folder meanwhile: again
-        except OSError as error:
-            raise from_os_error(error, shown) from None
-    else:
-        raise RemoteError(f"{shown}: the temporary folder keeps vanishing", hint="is another program removing it?")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # a FIFO: ENXIO, never a wait
-    try:
-        try:
-            fd, found = os.open(name, flags | os.O_EXCL, 0o644, dir_fd=token_fd), False
-        except FileExistsError:
-            if resume is None:
-                raise
-            fd, found = os.open(name, flags, 0o644, dir_fd=token_fd), True
-            mode = os.fstat(fd).st_mode
-            if not stat_mode.S_ISREG(mode):
-                os.close(fd)
-                raise _not_regular(final.parent / TEMPORARY_FOLDER / token / name, mode) from None
-    except OSError as error:
-        _remove_upload_folder(parent_fd, token)
-        os.close(token_fd)
-        raise from_os_error(error, final) from None
-    return token, token_fd, fd, found
 
 
 @dataclass
@@ -490,13 +234,13 @@ class LocalStore:
                     if link is not None:
                         scan.notes.append(link)
             elif wanted:
-                words = _KIND_WORDS[_kind(info.st_mode)]
-                scan.notes.append(ListingNote(key, _kind(info.st_mode), f"{words}, not a regular file: skipped"))
+                words = KIND_WORDS[entry_kind(info.st_mode)]
+                scan.notes.append(ListingNote(key, entry_kind(info.st_mode), f"{words}, not a regular file: skipped"))
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         for listed in self._scan(prefix).files:
             etag = f"{listed.stat.st_mtime_ns:x}-{listed.stat.st_size:x}"
-            yield ObjectInfo(listed.key, listed.stat.st_size, etag, _read_metadata(listed.target))
+            yield ObjectInfo(listed.key, listed.stat.st_size, etag, read_metadata(listed.target))
 
     def notes(self, prefix: str) -> builtins.list[ListingNote]:
         """What list(prefix) leaves out (special files, links not followed, temporary files of uploads in
@@ -535,9 +279,9 @@ class LocalStore:
         except NotFoundError:
             return
         try:
-            temporary_fd = _open_folder(parent_fd, TEMPORARY_FOLDER, final.parent / TEMPORARY_FOLDER, create=False)
+            temporary_fd = open_folder(parent_fd, TEMPORARY_FOLDER, final.parent / TEMPORARY_FOLDER, create=False)
             try:
-                token_fd = _open_folder(temporary_fd, temporary.token, self._path(temporary.folder), create=False)
+                token_fd = open_folder(temporary_fd, temporary.token, self._path(temporary.folder), create=False)
             finally:
                 os.close(temporary_fd)
             try:
@@ -549,7 +293,7 @@ class LocalStore:
         except OSError as error:
             raise from_os_error(error, self._path(temporary_key(temporary.final_key, temporary.token))) from None
         finally:
-            _remove_upload_folder(parent_fd, temporary.token)
+            remove_upload_folder(parent_fd, temporary.token)
             os.close(parent_fd)
 
     # -------------------------------------------------------------------------------------- reading
@@ -582,14 +326,14 @@ class LocalStore:
             os.close(fd)
             if stat_mode.S_ISDIR(info.st_mode):
                 raise NotFoundError(f"{path} is a folder, not a file")
-            raise _not_regular(path, info.st_mode)
+            raise not_regular(path, info.st_mode)
         return path, fd, info
 
     def stat(self, key: str) -> ObjectInfo:
         _, fd, info = self._open_regular(key)
         try:
             etag = f"{info.st_mtime_ns:x}-{info.st_size:x}"
-            return ObjectInfo(key, info.st_size, etag, _read_metadata(fd))
+            return ObjectInfo(key, info.st_size, etag, read_metadata(fd))
         finally:
             os.close(fd)
 
@@ -642,14 +386,14 @@ class LocalStore:
         try:
             if create:
                 os.makedirs(self.root, exist_ok=True)
-            fd = os.open(self.root, _FOLDER_FLAGS)
+            fd = os.open(self.root, FOLDER_FLAGS)
         except OSError as error:
             raise from_os_error(error, self.root) from None
         try:
             for depth, part in enumerate(parts[:-1], start=1):
                 shown = self.root.joinpath(*parts[:depth])
                 try:
-                    inner = _open_folder(fd, part, shown, create)
+                    inner = open_folder(fd, part, shown, create)
                 except OSError as error:
                     raise from_os_error(error, shown) from None
                 os.close(fd)
@@ -681,7 +425,7 @@ class LocalStore:
         final = self._path(key)
         parent_fd, name = self._open_parent(key, create=True)
         try:
-            token, token_fd, fd, found = _create_temporary(parent_fd, name, final, resume)
+            token, token_fd, fd, found = create_temporary(parent_fd, name, final, resume)
         except BaseException:
             os.close(parent_fd)
             raise
