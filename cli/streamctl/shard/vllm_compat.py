@@ -47,6 +47,7 @@ SUPPORTED: Mapping[str, ReleaseFacts] = {
     "0.34": ReleaseFacts(triton_config_check=True),
 }
 PARTITION_VARIABLE = "VLLM_PP_LAYER_PARTITION"
+SHOWN_PROBLEMS = 4  # touch points named in the start-up check's one line; the rest are counted
 GROUP_FIELDS = ("world_size", "rank_in_group", "ranks", "rank")  # a GroupCoordinator's, set by emulate_rank
 
 
@@ -119,8 +120,10 @@ def _resolve(point: TouchPoint) -> tuple[Any, str | None]:
     """The object a touch point names, or (None, what moved)."""
     try:
         found: Any = importlib.import_module(point.module)
-    except ImportError as error:
-        return None, f"{point.module} is gone ({error})"
+    except ModuleNotFoundError:
+        return None, f"{point.module} is gone"
+    except ImportError as error:  # the module is there, one of its own imports is not
+        return None, f"{point.module} fails to import ({error})"
     except Exception as error:  # noqa: BLE001 - a module that fails to import has moved as far as we know
         return None, f"{point.module} fails to import ({type(error).__name__}: {error})"
     walked = point.module
@@ -163,7 +166,9 @@ def problem_of(point: TouchPoint) -> str | None:
 
 def check_touch_points(version: str, points: tuple[TouchPoint, ...] = TOUCH_POINTS) -> None:
     """Raise VllmMoved naming every touch point that moved, or the release when it is not SUPPORTED."""
-    problems = [problem for point in points if (problem := problem_of(point)) is not None]
+    problems = list(dict.fromkeys(problem for point in points if (problem := problem_of(point)) is not None))
+    if len(problems) > SHOWN_PROBLEMS:  # a vLLM far from these: the first few say enough, on one line
+        problems[SHOWN_PROBLEMS:] = [f"and {len(problems) - SHOWN_PROBLEMS} more touch points"]
     if problems:
         raise VllmMoved(f"vLLM {version}: {'; '.join(problems)} ({SUPPORTED_WORDS})")
     if release_of(version) not in SUPPORTED:
