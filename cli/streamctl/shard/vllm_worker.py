@@ -278,7 +278,7 @@ class VllmWorker:
                 f"the vLLM environment of {self.python}: {message}",
                 hint="leave out --vllm-python (streamctl builds a supported environment), or pass one with a "
                 "supported vLLM (--vllm-version)",
-                code=kind,
+                code="unsupported-vllm",  # UNSUPPORTED_VLLM, written out: the README's code list is read from here
             )
         what = ERROR_KINDS.get(kind, "an unknown error kind")
         return EngineFailed(f"the vLLM worker failed ({kind}: {what}): {message}", hint=self._tail_hint())
