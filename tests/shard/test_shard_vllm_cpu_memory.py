@@ -25,8 +25,8 @@ import pytest
 from oracle import requires_vllm_oracle, write_tiny_hf_models
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_cpu_worker import INFLIGHT_BYTES
 from streamctl.shard.vllm_worker import VllmWorker
+from streamctl.shard.vllm_worker_channel import INFLIGHT_BYTES
 from streamctl.storage import open_location
 from vllm_cpu_helpers import SharedWorker
 

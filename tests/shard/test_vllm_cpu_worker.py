@@ -274,9 +274,8 @@ def test_multimodal_models_build_with_the_shims(written: dict[str, Any]) -> None
 
 
 TRITON_CHECK = """
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("shims", sys.argv[1])
-shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+import json
+import streamctl.shard.vllm_shims as shims
 import vllm, vllm.triton_utils as triton_utils
 from vllm.config import VllmConfig
 try:
@@ -297,11 +296,8 @@ def test_the_triton_stand_in_is_only_for_the_configuration_check() -> None:
     configures without it and gets no stand-in)."""
     python = oracle_python()
     assert python
-    shims = CLI_DIR / "streamctl" / "shard" / "vllm_shims.py"
-    environment = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR"}
-    done = subprocess.run(
-        [python, "-c", TRITON_CHECK, str(shims)], capture_output=True, text=True, timeout=300, env=environment
-    )
+    environment = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "ERROR", "PYTHONPATH": str(CLI_DIR)}
+    done = subprocess.run([python, "-c", TRITON_CHECK], capture_output=True, text=True, timeout=300, env=environment)
     assert done.returncode == 0, done.stderr[-2000:]
     verdict = json.loads(done.stdout.strip().splitlines()[-1])
     assert verdict["has_triton"] is False
@@ -312,13 +308,11 @@ def test_the_triton_stand_in_is_only_for_the_configuration_check() -> None:
 
 
 SHIM_CALL = """
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("shims", sys.argv[1])
-shims = importlib.util.module_from_spec(spec); spec.loader.exec_module(shims)
+import streamctl.shard.vllm_shims as shims
 import torch
 assert shims._install_c_ops() or hasattr(torch.ops._C, "gelu_quick")
 for call in (lambda: torch.ops._C.gelu_quick(torch.empty(2), torch.empty(2)),
-             lambda: (shims._install_torchvision() and __import__("torchvision.transforms.v2").transforms.v2.Resize(4))):
+             lambda: (shims.install_torchvision() and __import__("torchvision.transforms.v2").transforms.v2.Resize(4))):
     try:
         call()
     except shims.ShimCalled as error:
@@ -329,8 +323,8 @@ for call in (lambda: torch.ops._C.gelu_quick(torch.empty(2), torch.empty(2)),
 def test_a_called_shim_refuses_to_compute() -> None:
     python = oracle_python()
     assert python
-    shims = CLI_DIR / "streamctl" / "shard" / "vllm_shims.py"
-    done = subprocess.run([python, "-c", SHIM_CALL, str(shims)], capture_output=True, text=True, timeout=120)
+    environment = {**os.environ, "PYTHONPATH": str(CLI_DIR)}
+    done = subprocess.run([python, "-c", SHIM_CALL], capture_output=True, text=True, timeout=120, env=environment)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: torch.ops._C.gelu_quick is a build-only stand-in" in done.stdout
     assert "refused: torchvision (stand-in) is a build-only stand-in" in done.stdout

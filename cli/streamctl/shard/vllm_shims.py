@@ -1,6 +1,8 @@
 """Build-only stand-ins for what a CPU-only vLLM environment lacks but vLLM's model code LOOKS UP while a model
 is constructed (never called: nothing here runs a kernel). Standard library only at import; torch is imported
-by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_oracle/check_sharded.py).
+by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_oracle/check_sharded.py). Where
+they hook into vLLM's internals (the CPU platform's Triton check, its kernel list, the registry's subprocess),
+they go through streamctl/shard/vllm_compat.py, whose version table says which release needs what.
 
 - `torchvision`: vLLM's gemma3_mm.py imports transformers' Gemma3ImageProcessor, which imports
   torchvision.transforms.v2 (vLLM's own imports of transformers' image/video utilities touch it too). When the
@@ -39,9 +41,10 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from streamctl.shard import vllm_compat
+
 TORCHVISION = "torchvision"
 TRITON_FOR_CONFIG = "triton (the CPU platform's configuration check)"
-TRITON_REQUIRED_FROM = (0, 34)  # 0.33's check_and_update_config warns "Triton is not installed"; 0.34's raises
 MP_KERNEL = "BuildOnlyWNA16LinearKernel"  # its name in vLLM's "Using ... for ..." log lines too
 # The torch.ops._C ops vLLM 0.33's CPU __init__ paths look up (activation.py); only the missing ones are defined.
 C_OPS: dict[str, str] = {
@@ -109,7 +112,9 @@ _INSTALLED: list[str] = []
 _LIBRARY: list[Any] = []  # the torch.library fragment must stay alive
 
 
-def _install_torchvision() -> bool:
+def install_torchvision() -> bool:
+    """The stand-in torchvision, where the real one is absent: before vLLM imports transformers (it decides
+    once whether torchvision exists)."""
     if any(isinstance(finder, _StandInFinder) for finder in sys.meta_path):
         return True
     if importlib.util.find_spec(TORCHVISION) is not None:
@@ -132,49 +137,16 @@ def _install_c_ops() -> list[str]:
     return [f"torch.ops._C.{name}" for name in missing]
 
 
-def _configure_without_triton() -> bool:
-    """Let the CPU platform's configuration check pass without triton-cpu (vLLM >= 0.34 on x86), for the
-    duration of that check only; False where it already passes (0.33 only warns; or Triton is installed)."""
-    import vllm
-    import vllm.triton_utils as triton_utils
-    from vllm.platforms.cpu import CpuPlatform
-
-    check = CpuPlatform.check_and_update_config
-    release = tuple(int(part) for part in vllm.__version__.split("+")[0].split(".")[:2] if part.isdigit())
-    if release < TRITON_REQUIRED_FROM or triton_utils.HAS_TRITON or getattr(check, "_streamctl_shim", False):
-        return bool(getattr(check, "_streamctl_shim", False))
-    source = getattr(check, "__func__", check)
-
-    def check_as_built(cls: Any, vllm_config: Any) -> None:
-        triton_utils.HAS_TRITON = True  # read by `from vllm.triton_utils import HAS_TRITON` inside the check
-        try:
-            source(cls, vllm_config)
-        finally:
-            triton_utils.HAS_TRITON = False
-
-    check_as_built._streamctl_shim = True  # type: ignore[attr-defined]
-    CpuPlatform.check_and_update_config = classmethod(check_as_built)  # type: ignore[method-assign,assignment,unused-ignore]
-    return True
-
-
 def _install_mp_kernel() -> bool:
     """The build-only mixed-precision kernel, last in the CPU platform's list (see the module docstring)."""
-    try:
-        from vllm.model_executor.kernels import linear as kernels
-        from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import MPLinearKernel
-        from vllm.platforms import current_platform
-    except ImportError:  # another vLLM layout: nothing to stand in for
+    found = vllm_compat.cpu_mp_kernels()
+    if found is None:
         return False
-    possible = getattr(kernels, "_POSSIBLE_KERNELS", None)
-    if not current_platform.is_cpu() or not isinstance(possible, dict):
-        return False
-    listed = possible.get(getattr(current_platform, "_enum", None))  # choose_mp_linear_kernel's own key
-    if not isinstance(listed, list):
-        return False
+    listed, base = found
     if any(kernel.__name__ == MP_KERNEL for kernel in listed):
         return True
 
-    class BuildOnlyWNA16LinearKernel(MPLinearKernel):
+    class BuildOnlyWNA16LinearKernel(base):  # type: ignore[valid-type,misc]
         """Any weight-only quantized linear layer, for building and loading only: no CPU GEMM behind it."""
 
         @classmethod
@@ -203,26 +175,17 @@ def mp_kernel_of(module: Any) -> Any:
     return None
 
 
-def _inspect_in_process() -> None:
-    from vllm.model_executor.models import registry
-
-    def run_here(fn: Callable[[], Any]) -> Any:
-        return fn()
-
-    registry._run_in_subprocess = run_here  # type: ignore[attr-defined,unused-ignore]
-
-
 def install() -> list[str]:
     """Install every stand-in whose real thing is missing (once per process); the names of those installed."""
     if not _INSTALLED:
-        if _install_torchvision():
+        if install_torchvision():
             _INSTALLED.append(TORCHVISION)
         _INSTALLED.extend(_install_c_ops())
-        if _configure_without_triton():
+        if vllm_compat.configure_without_triton():
             _INSTALLED.append(TRITON_FOR_CONFIG)
         if _install_mp_kernel():
             _INSTALLED.append(MP_KERNEL)
-        _inspect_in_process()
+        vllm_compat.inspect_in_process()
         _INSTALLED.append("")  # marks "done" even when nothing was missing
     return [name for name in _INSTALLED if name]
 

@@ -33,6 +33,7 @@ from streamctl.shard.vllm_protocol import (
     HEARTBEAT_VARIABLE,
     PARENT_VARIABLE,
     PROTOCOL_VERSION,
+    UNSUPPORTED_VLLM,
     ProtocolError,
     engine_deadline,
     heartbeat_interval,
@@ -272,6 +273,13 @@ class VllmWorker:
             self.progress.log(f"vLLM worker ({kind}): {detail}")
         if kind in USAGE_KINDS:
             return UsageError(f"vLLM refused the checkpoint: {message}", code=kind)
+        if kind == UNSUPPORTED_VLLM:  # the worker's start-up check (vllm_compat): the environment, not the input
+            return UsageError(
+                f"the vLLM environment of {self.python}: {message}",
+                hint="leave out --vllm-python (streamctl builds a supported environment), or pass one with a "
+                "supported vLLM (--vllm-version)",
+                code="unsupported-vllm",  # UNSUPPORTED_VLLM, written out: the README's code list is read from here
+            )
         what = ERROR_KINDS.get(kind, "an unknown error kind")
         return EngineFailed(f"the vLLM worker failed ({kind}: {what}): {message}", hint=self._tail_hint())
 
