@@ -215,7 +215,8 @@ def command(
 ) -> None:
     """Launch vLLM with the Run:ai Model Streamer: validated, tuned, checked before the GPUs spin.
 
-    Everything after -- goes to vLLM unchanged. Without --dry-run/--json/--k8s/--kserve this process becomes vLLM.
+    Everything after -- goes to vLLM unchanged. Unless --dry-run, --json, --k8s or --kserve is given, this process
+    becomes vLLM.
     """
     apply_output_flags(json_output, quiet, debug)
     from streamctl.errors import PreflightFailed
@@ -337,11 +338,7 @@ EXAMPLES = (
         "streamctl serve s3://models/llama-70b-tp8 -tp 8 --tune",
     ),
     (
-        "Write a GKE Deployment and Service for it:",
+        "Write a GKE Deployment and Service for it (--kserve: a KServe LLMInferenceService):",
         "streamctl serve gs://m/q3 --k8s --accelerator nvidia-l4 > vllm.yaml",
-    ),
-    (
-        "Or a KServe LLMInferenceService that streams it (no storage initializer):",
-        "streamctl serve gs://m/q3 --kserve -tp 2 > llmisvc.yaml",
     ),
 )
