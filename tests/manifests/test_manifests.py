@@ -82,7 +82,7 @@ def test_transfer_workers_write_the_bytes_they_wrote_before(tmp_path: Path) -> N
 def test_a_shard_run_writes_the_started_manifest_it_wrote_before(tmp_path: Path) -> None:
     assert manifest_body(started_manifest(**inputs.SHARD_STARTED)) == golden("shard-started")  # type: ignore[arg-type]
     dest = open_location(str(tmp_path))
-    write_incomplete_manifest(dest, **inputs.SHARD_STARTED)  # type: ignore[arg-type]
+    write_incomplete_manifest(dest, started_manifest(**inputs.SHARD_STARTED))  # type: ignore[arg-type]
     assert (tmp_path / SHARD_MANIFEST_NAME).read_bytes() == golden("shard-started")
 
 

@@ -126,13 +126,11 @@ def trusts_remote_code(vllm_args: tuple[str, ...]) -> bool:
     return bool(given) and takes(given[-1], TRUST_REMOTE_CODE)
 
 
-def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int] | None = None) -> RepoKind:
+def check_repo_kind(location: Location, options: ServeOptions, sizes: Mapping[str, int]) -> RepoKind:
     """Refuse (exit 2, before any GPU spins) what `vllm serve LOCATION` as planned would refuse or misread:
     an adapter (served on its base model) and a repo whose own code vLLM must run, unless the user passed
-    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host. `sizes`: a
-    listing already made (relative name -> bytes), else one is made. Returns what it read (the experts too)."""
-    if sizes is None:
-        sizes = {location.relative(info.key): info.size for info in location.list()}
+    --trust-remote-code after `--`. Never added for them: it runs the repo's code on this host. `sizes`: the
+    listing (relative name -> bytes). Returns what it read (the experts too)."""
     kind = read_repo_kind(location, sizes)
     if kind.adapter:
         raise UsageError(

@@ -18,7 +18,13 @@ from streamctl.errors import StreamctlError
 from streamctl.lease import Lease
 from streamctl.progress import Progress
 from streamctl.shard.plan import Engine, ShardOptions, ShardPlan
-from streamctl.shard.result import ShardCheckFailed, ShardResult, write_incomplete_manifest, write_shard_manifest
+from streamctl.shard.result import (
+    ShardCheckFailed,
+    ShardResult,
+    started_manifest,
+    write_incomplete_manifest,
+    write_shard_manifest,
+)
 from streamctl.shard.writer import copy_serving_files
 from streamctl.storage.base import Location
 from streamctl.uploads import CopiedFile, list_dest
@@ -44,8 +50,7 @@ def begin_run(
     older = [*plan.stale, *(item.path for item in plan.left_alone if item.streamctl)]
 
     def begin() -> tuple[CopiedFile, ...]:
-        write_incomplete_manifest(
-            dest,
+        started = started_manifest(
             source=plan.source,
             engine=engine,
             tensor_parallel_size=plan.tensor_parallel_size,
@@ -54,6 +59,7 @@ def begin_run(
             planned=planned,
             older_files=older,
         )
+        write_incomplete_manifest(dest, started)
         return copy_serving_files(source, dest, plan.serving_files, options.retry)
 
     return undo_on_failure(dest, created, progress, begin), created

@@ -203,32 +203,14 @@ def started_manifest(
     ).stamped()
 
 
-def write_incomplete_manifest(
-    dest: Location,
-    *,
-    source: str,
-    engine: Engine,
-    tensor_parallel_size: int,
-    pipeline_parallel_size: int,
-    pattern: str,
-    planned: Sequence[str],
-    older_files: Sequence[str],
-) -> None:
-    """Mark DEST as a shard run in progress, before its first byte: the manifest's own name with
-    `"complete": false`, replaced (atomically: one put) by the completed manifest at the very end.
+def write_incomplete_manifest(dest: Location, manifest: ShardManifest) -> None:
+    """Mark DEST as a shard run in progress (`manifest`: started_manifest's), before its first byte: the
+    manifest's own name with `"complete": false`, replaced (atomically: one put) by the completed manifest at
+    the very end.
 
     Why one name and not a separate marker: a reader finds the state in one place, and there is never a
     moment with both a marker and a manifest (or neither) to reconcile. `verify-index` reports such a DEST
     (`shard-incomplete`) and `serve` refuses it, whatever else a killed or out-of-space run left there. It
     also names what the run writes and what it will remove, so a later `--force` still knows them.
     """
-    manifest = started_manifest(
-        source=source,
-        engine=engine,
-        tensor_parallel_size=tensor_parallel_size,
-        pipeline_parallel_size=pipeline_parallel_size,
-        pattern=pattern,
-        planned=planned,
-        older_files=older_files,
-    )
     put_manifest(dest, manifest)
