@@ -21,7 +21,7 @@ from slowproxy import SlowProxy
 from streamctl.checkpoint.files import MANIFEST_NAME, select_files
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.common.sizes import parse_size
-from streamctl.dest.uploads import PartBuffers, part_size_for
+from streamctl.dest.uploads import part_size_for
 from streamctl.errors import IntegrityError, NotFoundError, UsageError
 from streamctl.retry import RetryPolicy
 from streamctl.storage import StorageOptions, open_location
@@ -32,6 +32,7 @@ from streamctl.transfer import (
     execute_transfer,
     plan_transfer,
 )
+from streamctl.transfer.parts import PartBuffers
 from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024
