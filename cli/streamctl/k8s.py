@@ -23,6 +23,7 @@ from streamctl.k8s_names import (
 from streamctl.redact import has_credentials, mask_credentials
 from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, shell_word, staging_bytes
 from streamctl.serve.vllm_args import secret_values
+from streamctl.sizes import GiB
 from streamctl.storage.schemes import SCHEMES
 from streamctl.storage.url import parse_url
 
@@ -272,7 +273,6 @@ def transfer_job(
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 VLLM_PORT = 8000
 PROBE_PERIOD_S = 10
-GiB = 1024**3
 VLLM_WORKING_SET_BYTES = 8 * GiB  # host memory vLLM itself needs besides the streamer's staging
 
 

@@ -19,10 +19,7 @@ arithmetic, the streamer's environment) can blow up on them:
 from __future__ import annotations
 
 from streamctl.errors import UsageError
-
-MiB = 1024**2
-GiB = 1024**3
-TiB = 1024**4
+from streamctl.sizes import GiB, TiB
 
 MAX_PARALLEL_SIZE = 1024
 MAX_RANKS = 4096

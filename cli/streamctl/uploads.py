@@ -14,8 +14,8 @@ from typing import Literal
 
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.sizes import binary_size
-from streamctl.storage.base import Location, MiB, ObjectInfo, Store
+from streamctl.sizes import MiB, binary_size
+from streamctl.storage.base import Location, ObjectInfo, Store
 from streamctl.storage.schemes import SCHEMES
 
 SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries

@@ -20,9 +20,9 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
+from streamctl.sizes import MiB
 from streamctl.storage import Location, StorageOptions, open_location
 from streamctl.storage._errors import Op
-from streamctl.storage.base import MiB
 
 # Few SDK retries: failure paths stay fast, and one retry still exercises the retry configuration.
 OPTIONS = StorageOptions(max_attempts=2)

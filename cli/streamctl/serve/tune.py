@@ -18,11 +18,12 @@ from pathlib import Path
 
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.sizes import GiB
 from streamctl.storage import streamer_url
 from streamctl.storage.base import Location, ObjectInfo
 
 DEFAULT_CANDIDATES = (4, 8, 16, 32)
-DEFAULT_BUDGET_BYTES = 2 * 1024**3
+DEFAULT_BUDGET_BYTES = 2 * GiB
 STREAMER_MISSING_EXIT = 127
 _STREAMER_HINT = "pip install 'streamctl[streamer]' (on CPU-only machines install torch==2.13.0 first)"
 

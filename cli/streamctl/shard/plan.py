@@ -18,9 +18,8 @@ from streamctl.errors import UsageError
 from streamctl.limits import check_parallel_sizes, shown_number
 from streamctl.ownership import LeftAlone
 from streamctl.retry import RetryPolicy
-from streamctl.storage.base import MiB
+from streamctl.sizes import GiB, MiB
 
-GiB = 1024 * MiB
 DEFAULT_MAX_PART_SIZE = 5 * GiB  # vLLM's save_sharded_state script default
 # Multipart part size (S3 needs >= 5 MiB), and about the size of every block read, copied or cast.
 UPLOAD_CHUNK = 8 * MiB  # multipart part size for buckets (fewer, larger requests per rank stream)

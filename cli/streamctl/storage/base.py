@@ -21,7 +21,6 @@ from typing import Protocol
 
 from streamctl.storage.schemes import SCHEMES
 
-MiB = 1024 * 1024
 # The lease object a writing run holds at the root of its DEST (streamctl.lease). A reserved name: folder-like
 # listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.

@@ -43,10 +43,10 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 
 from streamctl import __version__
 from streamctl.errors import AccessDeniedError, Interrupted, NotFoundError, RemoteError, StreamctlError, UsageError
+from streamctl.sizes import MiB
 from streamctl.storage import deadlines
 from streamctl.storage._errors import check_range_answer
 from streamctl.storage.base import (
-    MiB,
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,

@@ -30,7 +30,8 @@ from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, Str
 from streamctl.interrupts import Shielded
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MiB, MultipartUpload
+from streamctl.sizes import MiB
+from streamctl.storage.base import HeldPart, Location, MultipartUpload
 from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
 from streamctl.transfer.plan import FilePlan, TransferOptions
 from streamctl.uploads import (

@@ -34,7 +34,8 @@ from streamctl.manifests import DestManifests, read_dest_manifests
 from streamctl.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
 from streamctl.retry import RetryPolicy
 from streamctl.shares import Share, Worker, split_shares, take_share
-from streamctl.storage.base import ListingNote, Location, MiB, ObjectInfo, is_safe_relative_path, unsafe_path_reason
+from streamctl.sizes import MiB
+from streamctl.storage.base import ListingNote, Location, ObjectInfo, is_safe_relative_path, unsafe_path_reason
 from streamctl.storage.names import check_names_fit
 from streamctl.transfer.hashing import GIT_SHA1_KEY, hash_object
 from streamctl.uploads import SHA256_KEY, check_part_size, list_dest, part_size_for
