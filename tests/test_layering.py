@@ -376,6 +376,30 @@ def check_backend_isinstance(modules: tuple[Module, ...]) -> list[str]:
     ]
 
 
+def _is_store_scheme(node: ast.expr) -> bool:
+    """`store.scheme`, `self.store.scheme`, `dest_store.scheme`: a Store's scheme (a parsed URL's is not)."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "scheme"):
+        return False
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return name.endswith("store")
+
+
+def check_store_scheme_comparisons(modules: tuple[Module, ...]) -> list[str]:
+    """Outside storage/, backends are told apart by capability (Location.local_path, Store.namespace, the
+    scheme table's flags), never by comparing `store.scheme` with a name (==, !=, in, not in)."""
+    return [
+        f"{m.path}:{node.lineno}: compares {ast.unparse(operand)} outside storage/ (ask a capability)"
+        for m in modules
+        if not _within(m.name, "streamctl.storage")
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.Compare)
+        and any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn | ast.Is | ast.IsNot) for op in node.ops)
+        for operand in (node.left, *node.comparators)
+        if _is_store_scheme(operand)
+    ]
+
+
 def _exit_code(call: ast.Call) -> ast.expr | None:
     keyword = next((k.value for k in call.keywords if k.arg == "code"), None)
     return call.args[0] if call.args else keyword
@@ -450,6 +474,10 @@ def test_no_isinstance_on_a_backend_outside_storage(package: tuple[Module, ...])
 
 def test_commands_never_exit_non_zero_themselves(package: tuple[Module, ...]) -> None:
     assert check_command_exits(package) == []
+
+
+def test_no_store_scheme_comparison_outside_storage(package: tuple[Module, ...]) -> None:
+    assert check_store_scheme_comparisons(package) == []
 
 
 # -- each checker catches a violation (synthetic trees) -----------------------------------------------------
@@ -650,6 +678,25 @@ def test_backend_isinstance_checker_catches_a_concrete_class(tmp_path: Path) -> 
     assert check_backend_isinstance(modules) == [
         "streamctl/shard/run.py:3: isinstance(..., LocalMultipartUpload) outside storage/",
         "streamctl/shard/run.py:3: isinstance(..., LocalStore) outside storage/",
+    ]
+
+
+def test_store_scheme_checker_catches_comparisons_outside_storage(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "storage/__init__.py": "",
+            "storage/names.py": "def f(store):\n    return store.scheme == 'file'\n",
+            "uploads.py": "def f(dest, parsed, SCHEMES):\n"
+            "    if dest.store.scheme == 'file' or 's3' != dest.store.scheme:\n"
+            "        return dest_store.scheme in ('gs', 'az')\n"
+            "    return parsed.scheme == 's3', SCHEMES[dest.store.scheme].local, dest.store.scheme\n",
+        },
+    )
+    assert check_store_scheme_comparisons(modules) == [
+        "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
+        "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
+        "streamctl/uploads.py:3: compares dest_store.scheme outside storage/ (ask a capability)",
     ]
 
 

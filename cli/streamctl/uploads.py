@@ -146,7 +146,7 @@ def list_dest(dest: Location) -> dict[str, ObjectInfo]:
     try:
         return {dest.relative(info.key): info for info in dest.list()}
     except NotFoundError:
-        if dest.store.scheme == "file":
+        if dest.local_path() is not None:
             return {}  # a local folder is created on the first write
         raise
 

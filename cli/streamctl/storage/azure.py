@@ -372,6 +372,11 @@ class AzureStore(_errors.CloudRequests):
         return self.auth.account
 
     @property
+    def namespace(self) -> str:
+        """The storage account: container names are unique only within it."""
+        return (self.auth.account or "").lower()
+
+    @property
     def _container(self) -> ContainerClient:
         if self._container_instance is None:
             with self._client_lock:

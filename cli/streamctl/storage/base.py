@@ -240,6 +240,12 @@ class Store(Protocol):
     max_part_size: int
     max_parts: int
 
+    @property
+    def namespace(self) -> str:
+        """What a bucket name is unique within, for telling whether two locations overlap (streamctl.locations):
+        an S3 endpoint, an Azure account; "" where bucket names are global (GCS) or there are no buckets."""
+        ...
+
     def url(self, key: str) -> str:
         """The user-facing URL of `key` (for messages and reports)."""
         ...
@@ -396,6 +402,15 @@ class Location:
 
     def relative(self, key: str) -> str:
         return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    def local_path(self, name: str = "") -> str | None:
+        """The path of this location (or of `name` under it) on this machine's file system, for what opens
+        files itself (vLLM, a hash of local disk); None for a bucket or the Hub. The scheme table says which
+        stores are local (Scheme.local); a local store's URL of a key is its path."""
+        scheme = SCHEMES.get(self.store.scheme)
+        if scheme is None or not scheme.local:
+            return None
+        return self.store.url(self.key(name) if name else self.prefix)
 
     @property
     def url(self) -> str:

@@ -302,6 +302,7 @@ class GCSStore(_errors.CloudRequests):
     bucket: str
     max_attempts: int = 5
     scheme: str = "gs"
+    namespace: ClassVar[str] = ""  # bucket names are global
     # Compose accepts sources of any size; parts are plain objects.
     min_part_size: int = 1
     max_part_size: int = 5 * TiB  # the largest object

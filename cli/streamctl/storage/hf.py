@@ -152,6 +152,7 @@ class HfStore:
     max_attempts: int = 5
     retry_wait: float = 1.0  # first back-off between attempts, doubled each time (tests lower it)
     scheme: str = "hf"
+    namespace: str = ""  # a repo id holds no buckets; read-only, it overlaps nothing
     min_part_size: int = 1  # never written to; present for the Store protocol
     max_part_size: int = 1
     max_parts: int = 1

@@ -357,6 +357,11 @@ class S3Store(_errors.CloudRequests):
                         self._client_instance = _make_client(self.settings)
         return self._client_instance
 
+    @property
+    def namespace(self) -> str:
+        """The endpoint: one bucket name is one bucket only within it (AWS, MinIO and R2 each have their own)."""
+        return (self.settings.endpoint_url or "").rstrip("/").lower()
+
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
 

@@ -161,7 +161,7 @@ def check_manifest(
 
 def _stored_sha256(dest: Location, path: str, info: ObjectInfo, policy: RetryPolicy) -> str | None:
     stored = info.metadata.get(SHA256_KEY)
-    if stored is None and dest.store.scheme == "file":
+    if stored is None and dest.local_path() is not None:
         return hash_object(dest, path, info.size, policy)  # local disk without xattrs: hashing is cheap
     return stored
 
