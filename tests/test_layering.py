@@ -400,6 +400,23 @@ def check_store_scheme_comparisons(modules: tuple[Module, ...]) -> list[str]:
     ]
 
 
+UNIT_NAMES = ("KiB", "MiB", "GiB", "TiB")
+UNITS_HOME = "streamctl.sizes"
+
+
+def check_unit_definitions(modules: tuple[Module, ...]) -> list[str]:
+    """The byte units are defined once, in streamctl/sizes.py; every other module imports them."""
+    return [
+        f"{m.path}:{node.lineno}: defines {target.id} (import it from {UNITS_HOME})"
+        for m in modules
+        if m.name != UNITS_HOME
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and target.id in UNIT_NAMES
+    ]
+
+
 def _exit_code(call: ast.Call) -> ast.expr | None:
     keyword = next((k.value for k in call.keywords if k.arg == "code"), None)
     return call.args[0] if call.args else keyword
@@ -478,6 +495,11 @@ def test_commands_never_exit_non_zero_themselves(package: tuple[Module, ...]) ->
 
 def test_no_store_scheme_comparison_outside_storage(package: tuple[Module, ...]) -> None:
     assert check_store_scheme_comparisons(package) == []
+
+
+def test_byte_units_are_defined_once(package: tuple[Module, ...]) -> None:
+    assert check_unit_definitions(package) == []
+    assert any(m.name == UNITS_HOME for m in package)
 
 
 # -- each checker catches a violation (synthetic trees) -----------------------------------------------------
@@ -697,6 +719,23 @@ def test_store_scheme_checker_catches_comparisons_outside_storage(tmp_path: Path
         "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
         "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
         "streamctl/uploads.py:3: compares dest_store.scheme outside storage/ (ask a capability)",
+    ]
+
+
+def test_unit_definitions_checker_catches_a_second_definition(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "sizes.py": "KiB = 1024\nMiB = 1024 * KiB\n",
+            "storage/__init__.py": "",
+            "storage/base.py": "from streamctl.sizes import MiB\nPART = 8 * MiB\n",
+            "shard/__init__.py": "",
+            "shard/plan.py": "GiB: int = 1024**3\ndef f():\n    MiB = 2**20\n    return MiB\n",
+        },
+    )
+    assert check_unit_definitions(modules) == [
+        "streamctl/shard/plan.py:1: defines GiB (import it from streamctl.sizes)",
+        "streamctl/shard/plan.py:3: defines MiB (import it from streamctl.sizes)",
     ]
 
 

@@ -20,7 +20,7 @@ from streamctl.errors import UsageError
 from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
 from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.serve.vllm_args import masked_arguments, takes
-from streamctl.sizes import parse_size
+from streamctl.sizes import KiB, parse_size
 from streamctl.storage.azure_auth import choose_auth, connection_string_account, connection_string_fields
 from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url
@@ -493,7 +493,7 @@ def host_memory_bytes() -> int | None:
         with open("/proc/meminfo") as handle:
             for line in handle:
                 if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * KiB  # meminfo says "kB": KiB
     except (OSError, ValueError, IndexError):
         return None
     return None

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamctl.checkpoint.files import choose_weights
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.sizes import GiB
@@ -104,10 +105,10 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
 
 
 def top_level_shards(location: Location) -> list[ObjectInfo]:
-    """The .safetensors files directly under `location` (what vLLM's loader reads); UsageError if none."""
-    shards = [
-        info for info in location.list() if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)
-    ]
+    """The weights directly under `location` (choose_weights: the HF shards, else consolidated*); UsageError
+    if none."""
+    infos = {location.relative(info.key): info for info in location.list()}
+    shards = [infos[name] for name in choose_weights(infos).weights]
     if not shards:
         raise UsageError(f"--tune found no .safetensors under {location.url}")
     return shards
