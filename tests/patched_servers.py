@@ -12,6 +12,9 @@ Run as `python tests/patched_servers.py moto ARGS...` (ARGS as for `python -m mo
    are no live versions of the object", answering 412 Precondition Failed otherwise (JSON API, objects.insert /
    objects.delete / objects.get parameters). Patched for uploads (media, multipart, and the start of a resumable
    upload), media downloads, metadata reads and deletes.
+3. gcp-storage-emulator serves one connection at a time and waits for a request forever; a test that stops a
+   client (SIGSTOP) halfway through a request would stop the server with it. Real front ends close an idle
+   connection: patched, it gives up after IDLE_CONNECTION_SECONDS.
 
 Azurite 3.35 needs no patch: it honours If-None-Match: * (409 BlobAlreadyExists) and If-Match (412
 ConditionNotMet) on Put Blob and Delete Blob, and lists uncommitted blobs with their creation time.
@@ -26,6 +29,7 @@ from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
 
+IDLE_CONNECTION_SECONDS = 10
 _MOTO_FIXED_INITIATED = '"Initiated": "2010-11-10T20:48:33.000Z"'
 
 
@@ -92,6 +96,10 @@ def patch_gcs() -> None:
     objects.download = guarded(objects.download, by_path)
     objects.get = guarded(objects.get, by_path)
     objects.delete = guarded(objects.delete, by_path)
+
+    from gcp_storage_emulator import server  # only now: it builds its handler table from `objects` on import
+
+    server.RequestHandler.timeout = IDLE_CONNECTION_SECONDS
 
 
 def main() -> None:

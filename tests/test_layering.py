@@ -262,6 +262,30 @@ def check_checkpoint_storage(modules: tuple[Module, ...]) -> list[str]:
     ]
 
 
+VERBS = ("streamctl.transfer", "streamctl.shard", "streamctl.verify", "streamctl.serve")
+# What the verbs share, below them: none of it may reach back up into a verb (at import or in a function).
+SHARED_LAYERS = ("streamctl.dest", "streamctl.common", "streamctl.storage", "streamctl.checkpoint")
+# common/ is the bottom: besides itself, only the error tree.
+COMMON_MAY_IMPORT = ("streamctl.common", "streamctl.errors")
+
+
+def check_shared_layers(modules: tuple[Module, ...]) -> list[str]:
+    """dest/, common/, storage/ and checkpoint/ import no verb package; common/ only itself and errors."""
+    known = frozenset(m.name for m in modules)
+    found: list[str] = []
+    for m in modules:
+        if not any(_within(m.name, layer) for layer in SHARED_LAYERS):
+            continue
+        for i in imports(m, known):
+            if i.target not in known or i.target == "streamctl":
+                continue
+            if any(_within(i.target, verb) for verb in VERBS):
+                found.append(f"{m.path}:{i.line}: imports {i.target} (a shared layer imports no verb)")
+            elif _within(m.name, "streamctl.common") and not any(_within(i.target, ok) for ok in COMMON_MAY_IMPORT):
+                found.append(f"{m.path}:{i.line}: imports {i.target} (common/ imports only itself and errors)")
+    return found
+
+
 def import_graph(modules: tuple[Module, ...]) -> dict[str, dict[str, str]]:
     """module -> {imported module: "FILE:LINE"}, for the imports that run when a module is imported."""
     known = frozenset(m.name for m in modules)
@@ -401,11 +425,11 @@ def check_store_scheme_comparisons(modules: tuple[Module, ...]) -> list[str]:
 
 
 UNIT_NAMES = ("KiB", "MiB", "GiB", "TiB")
-UNITS_HOME = "streamctl.sizes"
+UNITS_HOME = "streamctl.common.sizes"
 
 
 def check_unit_definitions(modules: tuple[Module, ...]) -> list[str]:
-    """The byte units are defined once, in streamctl/sizes.py; every other module imports them."""
+    """The byte units are defined once, in streamctl/common/sizes.py; every other module imports them."""
     return [
         f"{m.path}:{node.lineno}: defines {target.id} (import it from {UNITS_HOME})"
         for m in modules
@@ -465,6 +489,10 @@ def test_sdks_only_in_their_storage_backend(package: tuple[Module, ...]) -> None
 
 def test_checkpoint_imports_only_storage_base(package: tuple[Module, ...]) -> None:
     assert check_checkpoint_storage(package) == []
+
+
+def test_shared_layers_import_no_verb(package: tuple[Module, ...]) -> None:
+    assert check_shared_layers(package) == []
 
 
 def test_no_import_cycles(package: tuple[Module, ...]) -> None:
@@ -607,6 +635,26 @@ def test_checkpoint_storage_checker_catches_more_than_base(tmp_path: Path) -> No
     ]
 
 
+def test_shared_layers_checker_catches_a_verb_import_and_common_reaching_up(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "errors.py": "",
+            "progress.py": "",
+            "transfer/__init__.py": "",
+            "transfer/plan.py": "",
+            "common/__init__.py": "",
+            "common/sizes.py": "from streamctl.errors import UsageError\nfrom streamctl import progress\n",
+            "dest/__init__.py": "",
+            "dest/lease.py": "from streamctl.common import sizes\ndef f():\n    from streamctl.transfer import plan\n",
+        },
+    )
+    assert check_shared_layers(modules) == [
+        "streamctl/common/sizes.py:2: imports streamctl.progress (common/ imports only itself and errors)",
+        "streamctl/dest/lease.py:3: imports streamctl.transfer.plan (a shared layer imports no verb)",
+    ]
+
+
 def test_import_cycles_checker_catches_a_module_level_cycle(tmp_path: Path) -> None:
     modules = synthetic(
         tmp_path,
@@ -726,16 +774,17 @@ def test_unit_definitions_checker_catches_a_second_definition(tmp_path: Path) ->
     modules = synthetic(
         tmp_path,
         {
-            "sizes.py": "KiB = 1024\nMiB = 1024 * KiB\n",
+            "common/__init__.py": "",
+            "common/sizes.py": "KiB = 1024\nMiB = 1024 * KiB\n",
             "storage/__init__.py": "",
-            "storage/base.py": "from streamctl.sizes import MiB\nPART = 8 * MiB\n",
+            "storage/base.py": "from streamctl.common.sizes import MiB\nPART = 8 * MiB\n",
             "shard/__init__.py": "",
             "shard/plan.py": "GiB: int = 1024**3\ndef f():\n    MiB = 2**20\n    return MiB\n",
         },
     )
     assert check_unit_definitions(modules) == [
-        "streamctl/shard/plan.py:1: defines GiB (import it from streamctl.sizes)",
-        "streamctl/shard/plan.py:3: defines MiB (import it from streamctl.sizes)",
+        "streamctl/shard/plan.py:1: defines GiB (import it from streamctl.common.sizes)",
+        "streamctl/shard/plan.py:3: defines MiB (import it from streamctl.common.sizes)",
     ]
 
 
@@ -766,7 +815,7 @@ WORKER_ENTRY = "streamctl.shard.vllm_cpu_worker"
 WORKER_THIRD_PARTY = ("torch", "vllm", "safetensors", "runai_model_streamer")
 # The streamctl modules outside shard/vllm_* it may reach: the packages, and the libc helper vllm_protocol's
 # lifeline uses (PR_SET_PDEATHSIG; standard library only).
-WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl._libc")
+WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl.common", "streamctl.common.libc")
 VLLM_COMPAT = "streamctl.shard.vllm_compat"
 # The vLLM module paths the rest of the package may import: its public API (every other one, and anything of
 # vLLM named with a leading underscore, goes through vllm_compat.py, with its start-up check).

@@ -31,8 +31,8 @@ from shard_models import write_model
 from slowproxy import SlowProxy
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.common.sizes import MiB
 from streamctl.errors import NotFoundError
-from streamctl.sizes import MiB
 from streamctl.storage import open_location
 from streamctl.storage.base import LEASE_NAME, Location
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from slowproxy import SlowProxy
+from streamctl.common.sizes import MiB
 from streamctl.errors import RemoteError, UsageError
-from streamctl.sizes import MiB
 from streamctl.storage import StorageOptions, gcs, open_location, s3
 from streamctl.storage.base import Store
 

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from streamctl.common.sizes import MiB
 from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
@@ -20,7 +21,6 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.sizes import MiB
 from streamctl.storage import Location, StorageOptions, open_location
 from streamctl.storage._errors import Op
 

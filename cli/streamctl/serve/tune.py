@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamctl.checkpoint.files import choose_weights
+from streamctl.common.sizes import GiB
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
-from streamctl.sizes import GiB
 from streamctl.storage import streamer_url
 from streamctl.storage.base import Location, ObjectInfo
 

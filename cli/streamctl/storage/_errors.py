@@ -17,6 +17,8 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from streamctl.common.redact import mask_credentials
+from streamctl.common.sizes import KiB
 from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
@@ -26,8 +28,6 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.redact import mask_credentials
-from streamctl.sizes import KiB
 from streamctl.storage import deadlines
 
 T = TypeVar("T")

@@ -33,8 +33,8 @@ from azure.core import MatchConditions
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
 
+from streamctl.common.sizes import MiB
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
-from streamctl.sizes import MiB
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.azure_auth import AzureAuth, choose_auth

@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamctl import interrupts
+from streamctl.common.sizes import KiB
 from streamctl.errors import DeadlineExceededError, Interrupted, RemoteError
 from streamctl.interrupts import on_stop, requests_outlive_stop, stop_requested
 from streamctl.retry import RetryPolicy
-from streamctl.sizes import KiB
 from streamctl.storage import waits
 
 T = TypeVar("T")

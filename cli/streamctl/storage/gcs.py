@@ -40,8 +40,8 @@ from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
+from streamctl.common.sizes import KiB, TiB
 from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, UsageError
-from streamctl.sizes import KiB, TiB
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line
 from streamctl.storage.base import (

@@ -42,8 +42,8 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
     import httpx  # type: ignore[no-redef]
 
 from streamctl import __version__
+from streamctl.common.sizes import MiB
 from streamctl.errors import AccessDeniedError, Interrupted, NotFoundError, RemoteError, StreamctlError, UsageError
-from streamctl.sizes import MiB
 from streamctl.storage import deadlines
 from streamctl.storage._errors import check_range_answer
 from streamctl.storage.base import (

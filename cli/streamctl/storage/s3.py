@@ -29,8 +29,8 @@ import botocore.exceptions as bce
 from botocore.config import Config
 from botocore.response import StreamingBody
 
+from streamctl.common.sizes import GiB, KiB, MiB
 from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, UsageError
-from streamctl.sizes import GiB, KiB, MiB
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import (

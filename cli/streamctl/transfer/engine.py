@@ -3,7 +3,7 @@
 How it moves bytes: every file is split into parts; parts are read with ranged reads and uploaded as
 multipart parts by one pool of worker threads, so downloads overlap uploads and several files move at
 once. A byte budget (`max_buffer`) is taken before a part is read and given back after it is uploaded,
-so memory never grows with the model; each part is read into a reused buffer (uploads.PartBuffers),
+so memory never grows with the model; each part is read into a reused buffer (parts.PartBuffers),
 hashed and sent from it without a copy. Each file's sha256 is computed in flight, in part order, and
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
 of small files); otherwise it is aborted and the file retried once from scratch.
@@ -26,24 +26,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
 
-from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, StreamctlError
-from streamctl.interrupts import Shielded
-from streamctl.progress import Progress
-from streamctl.retry import with_retries
-from streamctl.sizes import MiB
-from streamctl.storage.base import HeldPart, Location, MultipartUpload
-from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
-from streamctl.transfer.plan import FilePlan, TransferOptions
-from streamctl.uploads import (
+from streamctl.common.sizes import MiB
+from streamctl.dest.uploads import (
     SHA256_KEY,
     ByteBudget,
     Cancelled,
     CopiedFile,
-    PartBuffers,
     part_size_for,
     part_size_note,
-    resume_token,
 )
+from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, StreamctlError
+from streamctl.interrupts import Shielded
+from streamctl.progress import Progress
+from streamctl.retry import with_retries
+from streamctl.storage.base import HeldPart, Location, MultipartUpload
+from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
+from streamctl.transfer.parts import PartBuffers, resume_token
+from streamctl.transfer.plan import FilePlan, TransferOptions
 
 
 class _ChecksumMismatch(Exception):

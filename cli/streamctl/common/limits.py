@@ -18,8 +18,8 @@ arithmetic, the streamer's environment) can blow up on them:
 
 from __future__ import annotations
 
+from streamctl.common.sizes import GiB, TiB
 from streamctl.errors import UsageError
-from streamctl.sizes import GiB, TiB
 
 MAX_PARALLEL_SIZE = 1024
 MAX_RANKS = 4096

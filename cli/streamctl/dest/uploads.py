@@ -1,20 +1,18 @@
 """What the writing verbs (transfer, shard) share: the byte budget, part sizing, DEST listing, and the
-discarding of uploads a killed earlier run left unfinished (their manifests: streamctl.manifests)."""
+discarding of uploads a killed earlier run left unfinished (their manifests: streamctl.dest.manifests)."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from streamctl.common.sizes import MiB, binary_size
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.sizes import MiB, binary_size
 from streamctl.storage.base import Location, ObjectInfo, Store
 from streamctl.storage.schemes import SCHEMES
 
@@ -57,31 +55,6 @@ class ByteBudget:
         with self._condition:
             self._free += amount
             self._condition.notify_all()
-
-
-class PartBuffers:
-    """Reusable part buffers, so a part's bytes land in pages already touched: a fresh multi-MiB buffer per
-    part costs a page fault and a zeroed page per 4 KiB (large allocations are mmap'd, see
-    streamctl.memory). How many exist is bounded by the ByteBudget their holders took first: a buffer is
-    taken only with a part's share of the budget held, and given back before that share is."""
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[bytearray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> bytearray:
-        with self._lock:
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-            # None of this size is idle: free the idle ones of other sizes (a file whose part size was
-            # raised), so that a new buffer is only ever made beside busy ones, which the budget bounds.
-            self._free = {}
-        return bytearray(size)
-
-    def give(self, buffer: bytearray) -> None:
-        with self._lock:
-            self._free.setdefault(len(buffer), []).append(buffer)
 
 
 def _service(store: Store) -> str:
@@ -133,14 +106,6 @@ def part_size_note(path: str, size: int, requested: int, chosen: int, store: Sto
     )
 
 
-def resume_token(fields: Mapping[str, object]) -> str:
-    """The `resume` token (Store.start_multipart) of an upload: 16 hex digits that name all of `fields`
-    (the object, its size, its part size, its sha256, the source it comes from), so only a run that would
-    create the same upload reopens it."""
-    body = json.dumps(dict(fields), sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(body).hexdigest()[:16]
-
-
 def list_dest(dest: Location) -> dict[str, ObjectInfo]:
     """DEST's objects by path relative to it; empty for a local folder that does not exist yet."""
     try:
@@ -162,7 +127,7 @@ def discard_unfinished_uploads(
     them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
     files take disk, until someone does. Unfinished uploads of other objects are left alone.
 
-    Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
+    Called while holding DEST's lease (streamctl.dest.lease), with `started_before` the moment it was taken: an
     upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
     stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
     store gives no date for are discarded (under the lease, no live run can own them). One that this run

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streamctl._libc import libc
-from streamctl.sizes import MiB
+from streamctl.common.libc import libc
+from streamctl.common.sizes import MiB
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3
