@@ -242,8 +242,9 @@ class Store(Protocol):
 
     @property
     def namespace(self) -> str:
-        """What a bucket name is unique within, for telling whether two locations overlap (streamctl.locations):
-        an S3 endpoint, an Azure account; "" where bucket names are global (GCS) or there are no buckets."""
+        """What a bucket name is unique within, for telling whether two locations overlap
+        (streamctl.dest.overlap): an S3 endpoint, an Azure account; "" where bucket names are global (GCS) or
+        there are no buckets."""
         ...
 
     def url(self, key: str) -> str:
