@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from streamctl.checkpoint.files import MISTRAL_DUPLICATE, choose_weights, needs_mistral_tokenizer_mode, select_files
+from streamctl.errors import UsageError
+from streamctl.serve.tune import top_level_shards
+from streamctl.storage import open_location
 from streamctl.verify.indexed import check_consolidated_mix
 from streamctl.verify.report import Findings
 
@@ -68,3 +73,15 @@ def test_the_mistral_tokenizer_mode_is_needed_only_without_the_duplicate() -> No
     assert not needs_mistral_tokenizer_mode([*HF, *MISTRAL, "tekken.json"])
     assert not needs_mistral_tokenizer_mode([*MISTRAL, "tekken.json"])
     assert not needs_mistral_tokenizer_mode([*HF, "tokenizer.json"])
+
+
+def test_serve_tune_samples_the_weights_not_the_duplicate(tmp_path: Path) -> None:
+    for name in ("model.safetensors", "consolidated.safetensors", "sub/extra.safetensors", "config.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert [info.key for info in top_level_shards(open_location(str(tmp_path)))] == ["model.safetensors"]
+    (tmp_path / "model.safetensors").unlink()
+    assert [info.key for info in top_level_shards(open_location(str(tmp_path)))] == ["consolidated.safetensors"]
+    (tmp_path / "consolidated.safetensors").unlink()
+    with pytest.raises(UsageError, match="found no .safetensors"):
+        top_level_shards(open_location(str(tmp_path)))
