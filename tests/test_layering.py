@@ -400,6 +400,47 @@ def check_backend_isinstance(modules: tuple[Module, ...]) -> list[str]:
     ]
 
 
+def _is_store_scheme(node: ast.expr) -> bool:
+    """`store.scheme`, `self.store.scheme`, `dest_store.scheme`: a Store's scheme (a parsed URL's is not)."""
+    if not (isinstance(node, ast.Attribute) and node.attr == "scheme"):
+        return False
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return name.endswith("store")
+
+
+def check_store_scheme_comparisons(modules: tuple[Module, ...]) -> list[str]:
+    """Outside storage/, backends are told apart by capability (Location.local_path, Store.namespace, the
+    scheme table's flags), never by comparing `store.scheme` with a name (==, !=, in, not in)."""
+    return [
+        f"{m.path}:{node.lineno}: compares {ast.unparse(operand)} outside storage/ (ask a capability)"
+        for m in modules
+        if not _within(m.name, "streamctl.storage")
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.Compare)
+        and any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn | ast.Is | ast.IsNot) for op in node.ops)
+        for operand in (node.left, *node.comparators)
+        if _is_store_scheme(operand)
+    ]
+
+
+UNIT_NAMES = ("KiB", "MiB", "GiB", "TiB")
+UNITS_HOME = "streamctl.common.sizes"
+
+
+def check_unit_definitions(modules: tuple[Module, ...]) -> list[str]:
+    """The byte units are defined once, in streamctl/common/sizes.py; every other module imports them."""
+    return [
+        f"{m.path}:{node.lineno}: defines {target.id} (import it from {UNITS_HOME})"
+        for m in modules
+        if m.name != UNITS_HOME
+        for node in ast.walk(m.tree)
+        if isinstance(node, ast.Assign | ast.AnnAssign)
+        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        if isinstance(target, ast.Name) and target.id in UNIT_NAMES
+    ]
+
+
 def _exit_code(call: ast.Call) -> ast.expr | None:
     keyword = next((k.value for k in call.keywords if k.arg == "code"), None)
     return call.args[0] if call.args else keyword
@@ -478,6 +519,15 @@ def test_no_isinstance_on_a_backend_outside_storage(package: tuple[Module, ...])
 
 def test_commands_never_exit_non_zero_themselves(package: tuple[Module, ...]) -> None:
     assert check_command_exits(package) == []
+
+
+def test_no_store_scheme_comparison_outside_storage(package: tuple[Module, ...]) -> None:
+    assert check_store_scheme_comparisons(package) == []
+
+
+def test_byte_units_are_defined_once(package: tuple[Module, ...]) -> None:
+    assert check_unit_definitions(package) == []
+    assert any(m.name == UNITS_HOME for m in package)
 
 
 # -- each checker catches a violation (synthetic trees) -----------------------------------------------------
@@ -698,6 +748,43 @@ def test_backend_isinstance_checker_catches_a_concrete_class(tmp_path: Path) -> 
     assert check_backend_isinstance(modules) == [
         "streamctl/shard/run.py:3: isinstance(..., LocalMultipartUpload) outside storage/",
         "streamctl/shard/run.py:3: isinstance(..., LocalStore) outside storage/",
+    ]
+
+
+def test_store_scheme_checker_catches_comparisons_outside_storage(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "storage/__init__.py": "",
+            "storage/names.py": "def f(store):\n    return store.scheme == 'file'\n",
+            "uploads.py": "def f(dest, parsed, SCHEMES):\n"
+            "    if dest.store.scheme == 'file' or 's3' != dest.store.scheme:\n"
+            "        return dest_store.scheme in ('gs', 'az')\n"
+            "    return parsed.scheme == 's3', SCHEMES[dest.store.scheme].local, dest.store.scheme\n",
+        },
+    )
+    assert check_store_scheme_comparisons(modules) == [
+        "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
+        "streamctl/uploads.py:2: compares dest.store.scheme outside storage/ (ask a capability)",
+        "streamctl/uploads.py:3: compares dest_store.scheme outside storage/ (ask a capability)",
+    ]
+
+
+def test_unit_definitions_checker_catches_a_second_definition(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "common/__init__.py": "",
+            "common/sizes.py": "KiB = 1024\nMiB = 1024 * KiB\n",
+            "storage/__init__.py": "",
+            "storage/base.py": "from streamctl.common.sizes import MiB\nPART = 8 * MiB\n",
+            "shard/__init__.py": "",
+            "shard/plan.py": "GiB: int = 1024**3\ndef f():\n    MiB = 2**20\n    return MiB\n",
+        },
+    )
+    assert check_unit_definitions(modules) == [
+        "streamctl/shard/plan.py:1: defines GiB (import it from streamctl.common.sizes)",
+        "streamctl/shard/plan.py:3: defines MiB (import it from streamctl.common.sizes)",
     ]
 
 

@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from streamctl.common.redact import has_credentials, mask_credentials
+from streamctl.common.sizes import GiB
 from streamctl.errors import UsageError
 from streamctl.k8s_identity import IdentityOptions, IdentityPlan, identity_plan, static_keys
 from streamctl.k8s_multinode import NodeLayout
@@ -272,7 +273,6 @@ def transfer_job(
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.33.0"
 VLLM_PORT = 8000
 PROBE_PERIOD_S = 10
-GiB = 1024**3
 VLLM_WORKING_SET_BYTES = 8 * GiB  # host memory vLLM itself needs besides the streamer's staging
 
 

@@ -33,6 +33,7 @@ from rich.text import Text
 
 from streamctl import sdklogging
 from streamctl.common.redact import for_display, mask_credentials
+from streamctl.common.sizes import GiB
 from streamctl.common.words import plural
 from streamctl.errors import ChecksFailed, StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
@@ -528,7 +529,7 @@ def render_tune_result(result: TuneResult) -> None:
     best = result.best.concurrency
     for sample in result.samples:
         mark = " *" if sample.concurrency == best else ""
-        rate = sample.bytes / 1024**3 / sample.seconds if sample.seconds > 0 else 0.0
+        rate = sample.bytes / GiB / sample.seconds if sample.seconds > 0 else 0.0
         table.add_row(f"{sample.concurrency}{mark}", f"{rate:.2f}", f"{sample.seconds:.2f}")
     console = stderr()
     if not settings.quiet:

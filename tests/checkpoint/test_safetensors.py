@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from checkpoints import CountingStore
+from streamctl.checkpoint.header_types import DTYPE_ALIGNMENT_ORDER, DTYPE_ALIGNMENT_RANK
 from streamctl.checkpoint.safetensors import (
     DTYPE_BITS,
     HF_MAX_HEADER_BYTES,
@@ -430,3 +431,12 @@ def test_rule6_a_broken_last_entry_replaces_a_good_first_one() -> None:
     parsed = parse_safetensors_bytes(file_from_header(None, raw=raw, data=b"x"))
     assert codes(file_from_header(None, raw=raw, data=b"x")) == ["bad-tensor-entry", "duplicate-tensor"]
     assert parsed.tensors == () and not parsed.complete and not parsed.ok
+
+
+def test_every_dtype_has_a_place_in_the_alignment_order() -> None:
+    """A dtype the reader accepts must have a rank in the writer's layout order, or `shard` would place it
+    as if it were the least aligned (the rank's default) and write files unlike safetensors' own."""
+    assert set(DTYPE_ALIGNMENT_ORDER) == set(DTYPE_BITS)
+    assert len(DTYPE_ALIGNMENT_ORDER) == len(DTYPE_BITS)
+    assert DTYPE_ALIGNMENT_RANK["U64"] > DTYPE_ALIGNMENT_RANK["F32"] > DTYPE_ALIGNMENT_RANK["BF16"]
+    assert DTYPE_ALIGNMENT_RANK["BOOL"] == 0

@@ -31,9 +31,10 @@ from shard_models import write_model
 from slowproxy import SlowProxy
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.common.sizes import MiB
 from streamctl.errors import NotFoundError
 from streamctl.storage import open_location
-from streamctl.storage.base import LEASE_NAME, Location, MiB
+from streamctl.storage.base import LEASE_NAME, Location
 
 pytestmark = pytest.mark.timeout(180)
 

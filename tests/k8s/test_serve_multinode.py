@@ -1,4 +1,4 @@
-"""`serve --k8s` across nodes (issue 25, item 1): TP x PP beyond one node's GPUs prints a LeaderWorkerSet of
+"""`serve --k8s` across nodes: TP x PP beyond one node's GPUs prints a LeaderWorkerSet of
 whole nodes running vLLM's own multi-node `mp` backend (no Ray), valid against the LWS CRD's published schema
 (tests/k8s/schemas/); within one node, still a Deployment; a group that does not split into nodes: exit 2.
 The facts are docs/specs/kubernetes-serving.md's, section 2c."""

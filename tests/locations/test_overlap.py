@@ -117,6 +117,21 @@ def test_bucket_prefixes_compare_by_segments_endpoint_and_account() -> None:
     assert relation(open_location(str(Path("/tmp/bucket/m"))), open_location("gs://bucket/m")) is None
 
 
+def test_capabilities_tell_the_backends_apart(tmp_path: Path) -> None:
+    """What code outside storage/ asks instead of comparing scheme names: a local path, and the namespace
+    a bucket name is unique within."""
+    folder = open_location(str(tmp_path / "m"))
+    assert folder.local_path() == str(tmp_path / "m")
+    assert folder.local_path("sub/config.json") == str(tmp_path / "m" / "sub" / "config.json")
+    assert open_location(f"file://{tmp_path}").local_path() == str(tmp_path)
+    s3 = open_location("s3://bucket/m", StorageOptions(endpoint_url="HTTP://127.0.0.1:9/"))
+    assert s3.local_path() is None and s3.store.namespace == "http://127.0.0.1:9"
+    azure = open_location("https://AccountOne.blob.core.windows.net/models/m")
+    assert azure.local_path() is None and azure.store.namespace == "accountone"
+    assert open_location("gs://bucket/m").store.namespace == ""
+    assert open_location("hf://org/repo").local_path() is None
+
+
 def test_the_refusal_names_both_locations(tmp_path: Path) -> None:
     source, aliases = local_aliases(tmp_path)
     with pytest.raises(UsageError) as refused:

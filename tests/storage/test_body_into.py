@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from slowproxy import SlowProxy
+from streamctl.common.sizes import MiB
 from streamctl.errors import RemoteError, UsageError
 from streamctl.storage import StorageOptions, gcs, open_location, s3
-from streamctl.storage.base import MiB, Store
+from streamctl.storage.base import Store
 
 DATA = hashlib.sha256(b"body into").digest() * (9 * MiB // 32) + b"tail"  # 9 MiB + 4 bytes
 MODULES = {"s3": s3, "gs": gcs}

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from streamctl.common.sizes import MiB
 from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
@@ -22,7 +23,6 @@ from streamctl.errors import (
 )
 from streamctl.storage import Location, StorageOptions, open_location
 from streamctl.storage._errors import Op
-from streamctl.storage.base import MiB
 
 # Few SDK retries: failure paths stay fast, and one retry still exercises the retry configuration.
 OPTIONS = StorageOptions(max_attempts=2)

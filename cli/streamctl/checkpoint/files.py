@@ -115,6 +115,58 @@ def weights_file(path: str) -> bool:
     return "/" not in path and (path.endswith(".safetensors") or other_weight_format(path) is not None)
 
 
+# Mistral's own format: consolidated*.safetensors, consolidated.safetensors.index.json
+CONSOLIDATED_PREFIX = "consolidated"
+MISTRAL_DUPLICATE = "Mistral-format duplicate of the HF shards"
+
+
+def is_consolidated(name: str) -> bool:
+    """A file of Mistral's own format (its weights or their index), by name as vLLM's selection matches it."""
+    return name.startswith(CONSOLIDATED_PREFIX)
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """Which top-level `.safetensors` of a listing are the checkpoint's weights: the one rule every verb uses.
+
+    vLLM loads every top-level `*.safetensors` of a prefix, and a `consolidated*` file among HF shards
+    switches it to Mistral-format loading. The HF shards are the weights where there are any (what `shard`
+    reads, `transfer` copies and `serve --tune` samples); `consolidated*` beside them is a duplicate (left
+    out by `transfer`, an error for `verify-index`); alone, `consolidated*` are the weights in Mistral's own
+    format (`shard` refuses them, `verify-index` then needs no config.json when params.json is there)."""
+
+    hf: tuple[str, ...]  # top-level *.safetensors not named consolidated*, sorted
+    consolidated: tuple[str, ...]  # top-level consolidated*.safetensors, sorted
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        return self.hf or self.consolidated
+
+    @property
+    def duplicate(self) -> tuple[str, ...]:
+        """The Mistral-format files beside HF shards (MISTRAL_DUPLICATE); empty when there is one format."""
+        return self.consolidated if self.hf else ()
+
+    @property
+    def mistral_format(self) -> bool:
+        """Only Mistral's own format: consolidated* and no HF shards."""
+        return bool(self.consolidated) and not self.hf
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """Every top-level `.safetensors`, both formats: what vLLM lists under a prefix and verify-index reads."""
+        return tuple(sorted(self.hf + self.consolidated))
+
+
+def choose_weights(paths: Iterable[str]) -> WeightsChoice:
+    """The WeightsChoice of a listing (relative paths; sub-folders are not weights vLLM loads)."""
+    names = sorted(path for path in paths if "/" not in path and path.endswith(".safetensors"))
+    return WeightsChoice(
+        tuple(name for name in names if not is_consolidated(name)),
+        tuple(name for name in names if is_consolidated(name)),
+    )
+
+
 def weights_elsewhere(paths: Iterable[str]) -> WeightsElsewhere | None:
     """WeightsElsewhere for a listing (relative paths) without top-level `.safetensors`; None when it has some,
     or no weights at all."""
@@ -187,10 +239,8 @@ def needs_mistral_tokenizer_mode(top_level: Iterable[str]) -> bool:
     Instruct-v0.3) keeps the tokenizer file but not that 14 GB duplicate of the HF shards, so auto would fall
     back to the HF tokenizer there."""
     names = set(top_level)
-    mistral_tokenizer = any(is_mistral_tokenizer_file(name) for name in names)
-    consolidated = any(name.startswith("consolidated") and name.endswith(".safetensors") for name in names)
-    hf_weights = any(name.endswith(".safetensors") for name in names)
-    return mistral_tokenizer and hf_weights and not consolidated
+    weights = choose_weights(names)
+    return any(is_mistral_tokenizer_file(name) for name in names) and bool(weights.hf) and not weights.consolidated
 
 
 def _module_path(reference: str, safe_only: bool) -> str | None:
@@ -406,7 +456,11 @@ def read_config_references(
 
 
 def _default_selection(
-    path: str, has_auto_map: bool, indexed_shards: frozenset[str] | None, referenced: Mapping[str, str]
+    path: str,
+    has_auto_map: bool,
+    indexed_shards: frozenset[str] | None,
+    referenced: Mapping[str, str],
+    weights: WeightsChoice,
 ) -> Selection:
     name = posixpath.basename(path)
     suffix = posixpath.splitext(name)[1].lower()
@@ -428,13 +482,15 @@ def _default_selection(
     if "/" in path:
         return Selection(path, False, "sub-folder (vLLM would pull it at start-up)")
     if name.endswith(".safetensors"):
-        if indexed_shards is not None and name not in indexed_shards:
-            if name.startswith("consolidated"):
-                return Selection(path, False, "Mistral-format duplicate of the indexed shards")
+        if indexed_shards is not None and name in indexed_shards:
+            return Selection(path, True, "weights")
+        if name in weights.duplicate or (indexed_shards is not None and is_consolidated(name)):
+            return Selection(path, False, MISTRAL_DUPLICATE)
+        if indexed_shards is not None:
             return Selection(path, False, "not named by the checkpoint index")
         return Selection(path, True, "weights")
     if name.endswith(".safetensors.index.json"):
-        if indexed_shards is not None and name.startswith("consolidated"):
+        if is_consolidated(name) and (indexed_shards is not None or weights.duplicate):
             return Selection(path, False, "index of the Mistral-format duplicate")
         return Selection(path, True, "checkpoint index")
     if name in CONFIG_FILES:
@@ -507,11 +563,13 @@ def select_files(
     behind stays behind too (`_drop_dangling_indexes`).
     """
     selections = []
-    for path in sorted(paths):
+    paths = sorted(paths)
+    weights = choose_weights(paths)
+    for path in paths:
         if all_files:
             choice = Selection(path, path != MANIFEST_NAME, "--all-files")
         else:
-            choice = _default_selection(path, has_auto_map, indexed_shards, referenced or {})
+            choice = _default_selection(path, has_auto_map, indexed_shards, referenced or {}, weights)
         if include and _matches(path, include) and not choice.selected:
             choice = Selection(path, True, "--include")
         if exclude and _matches(path, exclude):

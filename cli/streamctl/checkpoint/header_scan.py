@@ -2,9 +2,8 @@
 
 Memory: `parse_header` scans the raw bytes entry by entry (`_Scanner`) and keeps only compact results
 (a slotted `TensorInfo` per tensor, shared shape tuples, at most PROBLEMS_KEPT_PER_CODE problems per code),
-so a header costs about 2-3 bytes of memory per byte on top of its own bytes, whatever it holds: measured
-2.8x for 1,000,000 tensors (100 MB, ~4 s) where `json.loads` into dicts took 8.9x and 15-37 s, and
-1.3x for 8,000,000 keys of empty arrays (31x before).
+so a header costs about 2-3 bytes of memory per byte on top of its own bytes, whatever it holds, where
+`json.loads` into dicts took several times more (figures: docs/measurements.md).
 """
 
 from __future__ import annotations

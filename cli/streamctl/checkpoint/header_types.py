@@ -50,6 +50,14 @@ DTYPE_BITS: Mapping[str, int] = {
     "F64": 64,
     "C64": 64,
 }
+# The order `safetensors.save_file` lays tensors out in a file: descending alignment, then name. Its Dtype
+# enum is declared in increasing alignment order; a dtype's rank is its position there.
+_ALIGNMENT_ORDER_TEXT = (
+    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 "
+    "C64 F64 I64 U64"
+)
+DTYPE_ALIGNMENT_ORDER: tuple[str, ...] = tuple(_ALIGNMENT_ORDER_TEXT.split())
+DTYPE_ALIGNMENT_RANK: Mapping[str, int] = {name: rank for rank, name in enumerate(DTYPE_ALIGNMENT_ORDER)}
 
 METADATA_KEY = "__metadata__"
 TENSOR_FIELDS = ("dtype", "shape", "data_offsets")

@@ -1,11 +1,11 @@
 """`--help` as plain text: usage, description, options per section, examples; wrapped to the terminal.
 
 Typer's own renderer imports rich.markdown, rich.traceback and (through the group's unset --help value)
-pydantic: ~105 ms of a ~175 ms `streamctl verify-index --help` over bare Python here. It also prints `<str>`/`<bool>` metavars, "(required).
-[required]" and cuts long option names and defaults off with "..." at 80 columns. This renderer prints
-what gcloud and git print: each option with a value placeholder, its help, default, env var and range,
-sections from `rich_help_panel`, and the command's examples last. Nothing here is cut: a long name puts
-its help on the next line, and words are never split.
+pydantic, most of the start-up time of a `--help` (docs/measurements.md). It also prints `<str>`/`<bool>`
+metavars, "(required). [required]" and cuts long option names and defaults off with "..." at 80 columns.
+This renderer prints what gcloud and git print: each option with a value placeholder, its help, default,
+env var and range, sections from `rich_help_panel`, and the command's examples last. Nothing here is cut:
+a long name puts its help on the next line, and words are never split.
 """
 
 from __future__ import annotations

@@ -18,11 +18,8 @@ arithmetic, the streamer's environment) can blow up on them:
 
 from __future__ import annotations
 
+from streamctl.common.sizes import GiB, TiB
 from streamctl.errors import UsageError
-
-MiB = 1024**2
-GiB = 1024**3
-TiB = 1024**4
 
 MAX_PARALLEL_SIZE = 1024
 MAX_RANKS = 4096

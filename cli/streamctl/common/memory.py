@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from streamctl.common.libc import libc
+from streamctl.common.sizes import MiB
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3
-_ONE_MIB = 1 << 20
-_MMAP_THRESHOLD_MAX = 32 << 20  # the largest threshold glibc accepts on 64-bit
+_MMAP_THRESHOLD_MAX = 32 * MiB  # the largest threshold glibc accepts on 64-bit
 
 
 def _mallopt(*settings: tuple[int, int]) -> bool:
@@ -27,7 +27,7 @@ def return_large_buffers_to_the_os() -> bool:
     glibc otherwise keeps freed multi-MiB buffers in per-thread arenas: measured on a 2 GiB transfer, peak
     RSS 677 MiB with the default, 397 MiB with this, at the same speed. No-op off glibc.
     """
-    return _mallopt((_M_MMAP_THRESHOLD, _ONE_MIB))
+    return _mallopt((_M_MMAP_THRESHOLD, MiB))
 
 
 def keep_freed_buffers_in_the_heap() -> bool:
@@ -38,4 +38,4 @@ def keep_freed_buffers_in_the_heap() -> bool:
     measured on a 3.1 GB shard at TP 2: writing took ~3.6 s instead of ~4.3 s (kernel time 3.2 s instead
     of 4.2 s), for ~80 MiB more peak RSS (~350 MiB). No-op off glibc.
     """
-    return _mallopt((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 256 << 20))
+    return _mallopt((_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (_M_TRIM_THRESHOLD, 256 * MiB))

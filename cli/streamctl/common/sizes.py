@@ -1,4 +1,5 @@
-"""Byte sizes as users type them: 64MiB, 64M, 1.5GiB, 100MB, 5368709120."""
+"""Byte units, defined once for the whole package (KiB..TiB), and byte sizes as users type them: 64MiB,
+64M, 1.5GiB, 100MB, 5368709120."""
 
 from __future__ import annotations
 
@@ -6,20 +7,25 @@ import re
 
 from streamctl.errors import UsageError
 
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+TiB = 1024 * GiB
+
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 1024,
-    "kib": 1024,
+    "k": KiB,
+    "kib": KiB,
     "kb": 1000,
-    "m": 1024**2,
-    "mib": 1024**2,
+    "m": MiB,
+    "mib": MiB,
     "mb": 1000**2,
-    "g": 1024**3,
-    "gib": 1024**3,
+    "g": GiB,
+    "gib": GiB,
     "gb": 1000**3,
-    "t": 1024**4,
-    "tib": 1024**4,
+    "t": TiB,
+    "tib": TiB,
     "tb": 1000**4,
 }
 _SIZE = re.compile(r"^\s*(\d+)(?:\.(\d+))?\s*([a-zA-Z]*)\s*$", re.ASCII)
@@ -59,7 +65,7 @@ def parse_size(text: str, option: str = "size", maximum: int | None = None) -> i
 
 def binary_size(count: int) -> str:
     """`count` bytes in the largest binary unit that divides it exactly (5 MiB, 10,000 bytes)."""
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    for unit, size in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if count >= size and count % size == 0:
             return f"{count // size:,} {unit}"
     return f"{count:,} bytes"

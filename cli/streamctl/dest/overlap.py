@@ -44,24 +44,12 @@ Place = LocalPlace | BucketPlace | None  # None: a read-only source (the Hub), w
 def place_of(location: Location) -> Place:
     """What `location` really names, as far as it can be told without a request."""
     store = location.store
-    if store.scheme == "file":
-        root = store.url("")  # a local store's URL of its root is the folder's path
-        path = os.path.join(root, *location.prefix.split("/")) if location.prefix else root
+    path = location.local_path()
+    if path is not None:
         return LocalPlace(os.path.realpath(path))
     if SCHEMES[store.scheme].object_store:
-        return BucketPlace(store.scheme, _namespace(location), store.bucket, _segments(location.prefix))
+        return BucketPlace(store.scheme, store.namespace, store.bucket, _segments(location.prefix))
     return None
-
-
-def _namespace(location: Location) -> str:
-    store = location.store
-    if store.scheme == "s3":
-        settings = getattr(store, "settings", None)
-        endpoint = getattr(settings, "endpoint_url", None) or ""
-        return endpoint.rstrip("/").lower()
-    if store.scheme == "az":
-        return str(getattr(store, "account", "") or "").lower()
-    return ""  # GCS bucket names are global
 
 
 def _segments(prefix: str) -> tuple[str, ...]:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from streamctl.common.sizes import binary_size
+from streamctl.common.sizes import MiB, binary_size
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.storage.base import Location, MiB, ObjectInfo, Store
+from streamctl.storage.base import Location, ObjectInfo, Store
 from streamctl.storage.schemes import SCHEMES
 
 SHA256_KEY = "sha256"  # the metadata name of the sha256 every object streamctl writes carries
@@ -111,7 +111,7 @@ def list_dest(dest: Location) -> dict[str, ObjectInfo]:
     try:
         return {dest.relative(info.key): info for info in dest.list()}
     except NotFoundError:
-        if dest.store.scheme == "file":
+        if dest.local_path() is not None:
             return {}  # a local folder is created on the first write
         raise
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from streamctl.common.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
 from streamctl.common.redact import MASK, mask_credentials, printable
-from streamctl.common.sizes import parse_size
+from streamctl.common.sizes import KiB, parse_size
 from streamctl.errors import UsageError
 from streamctl.serve.vllm_args import masked_arguments, takes
 from streamctl.storage.azure_auth import choose_auth, connection_string_account, connection_string_fields
@@ -493,7 +493,7 @@ def host_memory_bytes() -> int | None:
         with open("/proc/meminfo") as handle:
             for line in handle:
                 if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * KiB  # meminfo says "kB": KiB
     except (OSError, ValueError, IndexError):
         return None
     return None

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from streamctl.checkpoint.files import TRUST_REMOTE_CODE, RepoKind, needs_mistral_tokenizer_mode, read_repo_kind
+from streamctl.checkpoint.files import (
+    TRUST_REMOTE_CODE,
+    RepoKind,
+    choose_weights,
+    needs_mistral_tokenizer_mode,
+    read_repo_kind,
+)
 from streamctl.common.words import plural
 from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
@@ -49,7 +55,7 @@ def check_checkpoint(location: Location, options: ServeOptions, progress: Progre
             return Preflight(sharded=sharded, facts=None)
         kind = check_repo_kind(location, options, listing.sizes)
         warnings, vllm_args = added_vllm_args(listing.sizes, options)
-        weights = sum(size for name, size in listing.top_level.items() if name.endswith(".safetensors"))
+        weights = sum(listing.top_level[name] for name in choose_weights(listing.top_level).weights)
         return Preflight(
             sharded=sharded,
             facts=None,

@@ -16,13 +16,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamctl.checkpoint.files import choose_weights
+from streamctl.common.sizes import GiB
 from streamctl.errors import MissingProgramError, RemoteError, UsageError
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.storage import streamer_url
 from streamctl.storage.base import Location, ObjectInfo
 
 DEFAULT_CANDIDATES = (4, 8, 16, 32)
-DEFAULT_BUDGET_BYTES = 2 * 1024**3
+DEFAULT_BUDGET_BYTES = 2 * GiB
 STREAMER_MISSING_EXIT = 127
 _STREAMER_HINT = "pip install 'streamctl[streamer]' (on CPU-only machines install torch==2.13.0 first)"
 
@@ -103,10 +105,10 @@ def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], pytho
 
 
 def top_level_shards(location: Location) -> list[ObjectInfo]:
-    """The .safetensors files directly under `location` (what vLLM's loader reads); UsageError if none."""
-    shards = [
-        info for info in location.list() if info.key.endswith(".safetensors") and "/" not in location.relative(info.key)
-    ]
+    """The weights directly under `location` (choose_weights: the HF shards, else consolidated*); UsageError
+    if none."""
+    infos = {location.relative(info.key): info for info in location.list()}
+    shards = [infos[name] for name in choose_weights(infos).weights]
     if not shards:
         raise UsageError(f"--tune found no .safetensors under {location.url}")
     return shards

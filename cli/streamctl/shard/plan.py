@@ -11,16 +11,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from streamctl.checkpoint.header_types import DTYPE_ALIGNMENT_RANK
 from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
 from streamctl.checkpoint.sharded_names import format_name
 from streamctl.checkpoint.vllm_layouts import VOCAB_PADDING, LayoutRow, Split, parse_version
 from streamctl.common.limits import check_parallel_sizes, shown_number
+from streamctl.common.sizes import GiB, MiB
 from streamctl.dest.ownership import LeftAlone
 from streamctl.errors import UsageError
 from streamctl.retry import RetryPolicy
-from streamctl.storage.base import MiB
 
-GiB = 1024 * MiB
 DEFAULT_MAX_PART_SIZE = 5 * GiB  # vLLM's save_sharded_state script default
 # Multipart part size (S3 needs >= 5 MiB), and about the size of every block read, copied or cast.
 UPLOAD_CHUNK = 8 * MiB  # multipart part size for buckets (fewer, larger requests per rank stream)
@@ -350,15 +350,7 @@ def segments_shape(segments: Sequence[Segment], source_shapes: Sequence[tuple[in
 
 def safetensors_order(tensors: Sequence[PlannedTensor]) -> list[PlannedTensor]:
     """The order `safetensors.save_file` lays tensors out in: descending dtype alignment, then by name."""
-    return sorted(tensors, key=lambda tensor: (-_SAFETENSORS_DTYPE_RANK.get(tensor.dtype, 0), tensor.name))
-
-
-# safetensors' Dtype enum is declared in increasing alignment order; sort keys follow its position.
-_SAFETENSORS_DTYPE_ORDER = (
-    "BOOL F4 F6_E2M3 F6_E3M2 U8 I8 F8_E5M2 F8_E4M3 F8_E8M0 F8_E4M3FNUZ F8_E5M2FNUZ I16 U16 F16 BF16 I32 U32 F32 "
-    "C64 F64 I64 U64"
-)
-_SAFETENSORS_DTYPE_RANK: Mapping[str, int] = {name: rank for rank, name in enumerate(_SAFETENSORS_DTYPE_ORDER.split())}
+    return sorted(tensors, key=lambda tensor: (-DTYPE_ALIGNMENT_RANK.get(tensor.dtype, 0), tensor.name))
 
 
 def split_into_parts(tensors: Sequence[PlannedTensor], max_part_size: int) -> tuple[tuple[PlannedTensor, ...], ...]:

@@ -11,6 +11,7 @@ from streamctl.checkpoint.files import (
     CONFIG_NAME,
     MAX_CONFIG_BYTES,
     MISTRAL_PARAMS_NAME,
+    choose_weights,
     other_weight_format,
     read_config_references,
     select_serving_files,
@@ -225,14 +226,11 @@ def weight_files(source: Location, listing: SourceListing) -> list[str]:
         if missing:
             raise NotFoundError(f"{INDEX_NAME} names {missing[0]}, which is not in {source.url}")
         return files
-    files = sorted(name for name in top if name.endswith(".safetensors") and not name.startswith("consolidated"))
-    if files:
-        return files
+    weights = choose_weights(top)
+    if weights.hf:
+        return list(weights.hf)  # a consolidated* duplicate beside them is not read
     # Every engine reads these same files, so the hints point at the weights, not at another engine.
-    if (
-        any(name.startswith("consolidated") and name.endswith(".safetensors") for name in top)
-        or MISTRAL_PARAMS_NAME in top
-    ):
+    if weights.mistral_format or MISTRAL_PARAMS_NAME in top:
         raise UsageError(
             f"{source.url} holds Mistral-format consolidated weights, not Hugging Face safetensors",
             hint=_HF_FORMAT_HINT,

@@ -91,7 +91,7 @@ def _read_source(source: Location, progress: Progress) -> _Source:
 
 def local_path(location: Location) -> str | None:
     """The folder of a local location, None for a bucket or the Hub."""
-    return location.store.url(location.prefix) if location.store.scheme == "file" else None
+    return location.local_path()
 
 
 def _model_dir(source: Location, read: _Source, folder: str, policy: RetryPolicy) -> str:

@@ -74,7 +74,7 @@ def shard_with_vllm(
     """vLLM's own save path: an engine at the requested TP/PP saves into a temporary folder (a subprocess,
     so the GPUs and torch are released afterwards), then the same copy to DEST, manifest and checks."""
     options.validate()
-    if source.store.scheme != "file":
+    if source.local_path() is None:
         raise UsageError(
             "--engine vllm-gpu needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`"
         )

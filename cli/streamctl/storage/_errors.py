@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from streamctl.common.redact import mask_credentials
+from streamctl.common.sizes import KiB
 from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
@@ -262,7 +263,7 @@ def content_range_start(header: str | None) -> int | None:
 
 # A whole-object answer to a range that starts this near the beginning is read from byte 0 and the bytes
 # before the range dropped: a safetensors header read (from byte 8) stays cheap on a server that ignores Range.
-WHOLE_OBJECT_SKIP_LIMIT = 64 * 1024
+WHOLE_OBJECT_SKIP_LIMIT = 64 * KiB
 
 
 def check_range_answer(url: str, endpoint: str, start: int, content_range: str | None) -> int:

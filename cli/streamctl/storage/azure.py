@@ -33,13 +33,13 @@ from azure.core import MatchConditions
 from azure.core.pipeline.transport import RequestsTransport
 from azure.storage.blob import BlobBlock, BlobServiceClient, ContainerClient, ContentSettings, ExponentialRetry
 
+from streamctl.common.sizes import MiB
 from streamctl.errors import PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.azure_auth import AzureAuth, choose_auth
 from streamctl.storage.base import (
     HeldPart,
-    MiB,
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,
@@ -370,6 +370,11 @@ class AzureStore(_errors.CloudRequests):
     @property
     def account(self) -> str | None:
         return self.auth.account
+
+    @property
+    def namespace(self) -> str:
+        """The storage account: container names are unique only within it."""
+        return (self.auth.account or "").lower()
 
     @property
     def _container(self) -> ContainerClient:

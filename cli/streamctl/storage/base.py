@@ -21,7 +21,6 @@ from typing import Protocol
 
 from streamctl.storage.schemes import SCHEMES
 
-MiB = 1024 * 1024
 # The lease object a writing run holds at the root of its DEST (streamctl.dest.lease). A reserved name: folder-like
 # listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
@@ -241,6 +240,13 @@ class Store(Protocol):
     max_part_size: int
     max_parts: int
 
+    @property
+    def namespace(self) -> str:
+        """What a bucket name is unique within, for telling whether two locations overlap
+        (streamctl.dest.overlap): an S3 endpoint, an Azure account; "" where bucket names are global (GCS) or
+        there are no buckets."""
+        ...
+
     def url(self, key: str) -> str:
         """The user-facing URL of `key` (for messages and reports)."""
         ...
@@ -397,6 +403,15 @@ class Location:
 
     def relative(self, key: str) -> str:
         return key[len(self.prefix) + 1 :] if self.prefix else key
+
+    def local_path(self, name: str = "") -> str | None:
+        """The path of this location (or of `name` under it) on this machine's file system, for what opens
+        files itself (vLLM, a hash of local disk); None for a bucket or the Hub. The scheme table says which
+        stores are local (Scheme.local); a local store's URL of a key is its path."""
+        scheme = SCHEMES.get(self.store.scheme)
+        if scheme is None or not scheme.local:
+            return None
+        return self.store.url(self.key(name) if name else self.prefix)
 
     @property
     def url(self) -> str:

@@ -54,13 +54,13 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from streamctl import interrupts
+from streamctl.common.sizes import KiB
 from streamctl.errors import DeadlineExceededError, Interrupted, RemoteError
 from streamctl.interrupts import on_stop, requests_outlive_stop, stop_requested
 from streamctl.retry import RetryPolicy
 from streamctl.storage import waits
 
 T = TypeVar("T")
-KiB = 1024
 
 # Defaults: a minute for connect + headers + a small body, plus the body at 128 KiB/s. A transfer runs ~32
 # requests at once, so 128 KiB/s per request is ~4 MiB/s for the whole link: a 1 TB transfer over a slow but

@@ -40,6 +40,7 @@ from google.auth.transport.requests import AuthorizedSession
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
 
+from streamctl.common.sizes import KiB, TiB
 from streamctl.errors import PreconditionFailed, RemoteError, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line
@@ -79,7 +80,7 @@ COMPOSE_LIMIT = 32  # sources per compose request
 _SCOPES = ("https://www.googleapis.com/auth/devstorage.read_write",)
 _DEFAULT_EMULATOR_PROJECT = "streamctl-emulator"
 _PART_CONTENT_TYPE = "application/octet-stream"  # temporary part objects; the final object gets its own
-_CRC_SLICE = 256 * 1024
+_CRC_SLICE = 256 * KiB
 _SOCKET_TIMEOUT_S = 60.0  # per socket operation, as the SDK's default (the whole request has its deadline)
 _RETRYABLE = (
     gexc.TooManyRequests,
@@ -301,9 +302,10 @@ class GCSStore(_errors.CloudRequests):
     bucket: str
     max_attempts: int = 5
     scheme: str = "gs"
+    namespace: ClassVar[str] = ""  # bucket names are global
     # Compose accepts sources of any size; parts are plain objects.
     min_part_size: int = 1
-    max_part_size: int = 5 * 1024**4  # the largest object
+    max_part_size: int = 5 * TiB  # the largest object
     # A composite object may hold at most 1024 components (Cloud Storage documentation).
     max_parts: int = 1024
     page_size: int | None = None  # objects per listing request; None: the service default (1000)

@@ -42,11 +42,11 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
     import httpx  # type: ignore[no-redef]
 
 from streamctl import __version__
+from streamctl.common.sizes import MiB
 from streamctl.errors import AccessDeniedError, Interrupted, NotFoundError, RemoteError, StreamctlError, UsageError
 from streamctl.storage import deadlines
 from streamctl.storage._errors import check_range_answer
 from streamctl.storage.base import (
-    MiB,
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,
@@ -152,6 +152,7 @@ class HfStore:
     max_attempts: int = 5
     retry_wait: float = 1.0  # first back-off between attempts, doubled each time (tests lower it)
     scheme: str = "hf"
+    namespace: str = ""  # a repo id holds no buckets; read-only, it overlaps nothing
     min_part_size: int = 1  # never written to; present for the Store protocol
     max_part_size: int = 1
     max_parts: int = 1

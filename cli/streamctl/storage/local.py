@@ -134,6 +134,7 @@ class _FolderLock:
 class LocalStore:
     root: Path
     scheme: str = "file"
+    namespace: str = ""  # a folder is told by its real path (streamctl.dest.overlap)
     bucket: str = ""
     min_part_size: int = 1
     max_part_size: int = 1 << 62  # no limit but the file system's

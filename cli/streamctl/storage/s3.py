@@ -29,13 +29,13 @@ import botocore.exceptions as bce
 from botocore.config import Config
 from botocore.response import StreamingBody
 
+from streamctl.common.sizes import GiB, KiB, MiB
 from streamctl.errors import NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.storage import _errors, deadlines
 from streamctl.storage._errors import Failure, Kind, Op, ServiceHints, kind_for_status, lower_keys, one_line, strip_etag
 from streamctl.storage.base import (
     TEMPORARY_FOLDER,
     HeldPart,
-    MiB,
     ObjectInfo,
     StorageOptions,
     UnfinishedUpload,
@@ -48,8 +48,8 @@ from streamctl.storage.base import (
 )
 from streamctl.storage.url import ParsedURL
 
-MAX_COPY_OBJECT_BYTES = 5 * 1024**3  # CopyObject's limit; larger objects are copied in parts
-COPY_PART_BYTES = 1024**3
+MAX_COPY_OBJECT_BYTES = 5 * GiB  # CopyObject's limit; larger objects are copied in parts
+COPY_PART_BYTES = GiB
 
 HINTS = ServiceHints(
     service="S3",
@@ -341,7 +341,7 @@ class S3Store(_errors.CloudRequests):
     settings: S3Settings
     scheme: str = "s3"
     min_part_size: int = 5 * MiB
-    max_part_size: int = 5 * 1024 * MiB
+    max_part_size: int = 5 * GiB
     max_parts: int = 10_000
     page_size: int | None = None  # keys per listing request; None: the service default (1000)
     _client_instance: Any = field(default=None, repr=False)
@@ -356,6 +356,11 @@ class S3Store(_errors.CloudRequests):
                     with self._guard(Op.READ, ""):
                         self._client_instance = _make_client(self.settings)
         return self._client_instance
+
+    @property
+    def namespace(self) -> str:
+        """The endpoint: one bucket name is one bucket only within it (AWS, MinIO and R2 each have their own)."""
+        return (self.settings.endpoint_url or "").rstrip("/").lower()
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
@@ -556,7 +561,7 @@ class S3Store(_errors.CloudRequests):
     def _read_record(self, record_key: str) -> tuple[str, dict[str, str]] | None:
         """(upload id, metadata it was created with) of an upload's record; None when there is none."""
         try:
-            document = json.loads(self.read_range(record_key, 0, 64 * 1024))
+            document = json.loads(self.read_range(record_key, 0, 64 * KiB))
             return str(document["upload_id"]), {str(k): str(v) for k, v in dict(document["metadata"]).items()}
         except NotFoundError:
             return None

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
 
+from streamctl.common.sizes import MiB
 from streamctl.dest.uploads import (
     SHA256_KEY,
     ByteBudget,
@@ -38,7 +39,7 @@ from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, Str
 from streamctl.interrupts import Shielded
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MiB, MultipartUpload
+from streamctl.storage.base import HeldPart, Location, MultipartUpload
 from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
 from streamctl.transfer.parts import PartBuffers, resume_token
 from streamctl.transfer.plan import FilePlan, TransferOptions

@@ -7,9 +7,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 
+from streamctl.common.sizes import MiB
 from streamctl.errors import IntegrityError
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.storage.base import Location, MiB
+from streamctl.storage.base import Location
 
 HASH_CHUNK = 8 * MiB
 GIT_SHA1_KEY = "gitsha1"  # letters and digits only: Azure metadata names must be identifiers

@@ -27,6 +27,7 @@ from streamctl.checkpoint.files import (
 from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import decode_json_strictly
 from streamctl.common.limits import MAX_CONCURRENCY, check_count
+from streamctl.common.sizes import MiB
 from streamctl.dest.lease import lease_name
 from streamctl.dest.manifests import DestManifests, read_dest_manifests
 from streamctl.dest.overlap import check_disjoint
@@ -35,7 +36,7 @@ from streamctl.dest.shares import Share, Worker, split_shares, take_share
 from streamctl.dest.uploads import SHA256_KEY, check_part_size, list_dest, part_size_for
 from streamctl.errors import NotFoundError, UsageError
 from streamctl.retry import RetryPolicy
-from streamctl.storage.base import ListingNote, Location, MiB, ObjectInfo, is_safe_relative_path, unsafe_path_reason
+from streamctl.storage.base import ListingNote, Location, ObjectInfo, is_safe_relative_path, unsafe_path_reason
 from streamctl.storage.names import check_names_fit
 from streamctl.transfer.hashing import GIT_SHA1_KEY, hash_object
 
@@ -160,7 +161,7 @@ def check_manifest(
 
 def _stored_sha256(dest: Location, path: str, info: ObjectInfo, policy: RetryPolicy) -> str | None:
     stored = info.metadata.get(SHA256_KEY)
-    if stored is None and dest.store.scheme == "file":
+    if stored is None and dest.local_path() is not None:
         return hash_object(dest, path, info.size, policy)  # local disk without xattrs: hashing is cheap
     return stored
 

@@ -14,6 +14,7 @@ from streamctl.checkpoint.files import (
     TOKENIZER_CONFIG_NAME,
     RepoKind,
     auto_map_files,
+    choose_weights,
     has_tokenizer,
     repo_kind,
 )
@@ -72,7 +73,7 @@ def check_serving_files(
     elif CONFIG_NAME in top:
         if config_data is not None:
             check_config(config_data, listing, findings)
-    elif not (MISTRAL_PARAMS_NAME in top and all(name.startswith("consolidated") for name in safetensors_names)):
+    elif not (MISTRAL_PARAMS_NAME in top and choose_weights(safetensors_names).mistral_format):
         findings.error("config-missing", None, f"no {CONFIG_NAME}; vLLM needs it to build the model")
     if not kind.adapter and not kind.custom_tokenizer and not has_tokenizer(top):
         findings.warning(

@@ -7,6 +7,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 
+from streamctl.checkpoint.files import WeightsChoice
 from streamctl.checkpoint.index import MAX_INDEX_BYTES, CheckpointIndex, InvalidIndex, parse_index
 from streamctl.checkpoint.safetensors import printable
 from streamctl.storage.base import Location, unsafe_path_reason
@@ -189,18 +190,15 @@ def _unsafe_shard_name(name: str) -> str | None:
     return None
 
 
-def check_consolidated_mix(safetensors_names: Sequence[str], findings: Findings) -> None:
-    """Mistral `consolidated*` files next to HF shards switch vLLM to the Mistral format."""
-    consolidated = [name for name in safetensors_names if name.startswith("consolidated")]
-    others = [name for name in safetensors_names if not name.startswith("consolidated")]
-    if consolidated and others:
-        for name in consolidated:
-            findings.error(
-                "consolidated-mixed",
-                name,
-                f"next to {len(others)} other .safetensors files; vLLM then loads Mistral-format consolidated weights "
-                "instead of the HF shards: keep one format",
-            )
+def check_consolidated_mix(weights: WeightsChoice, findings: Findings) -> None:
+    """Mistral `consolidated*` files next to HF shards (the duplicate) switch vLLM to the Mistral format."""
+    for name in weights.duplicate:
+        findings.error(
+            "consolidated-mixed",
+            name,
+            f"next to {len(weights.hf)} other .safetensors files; vLLM then loads Mistral-format consolidated weights "
+            "instead of the HF shards: keep one format",
+        )
 
 
 def check_expectations(

@@ -14,6 +14,7 @@ from streamctl.checkpoint.files import (
     MANIFEST_NAME,
     MAX_CONFIG_BYTES,
     SHARD_MANIFEST_NAME,
+    choose_weights,
     listing_notes,
     read_config_references,
 )
@@ -60,7 +61,8 @@ def verify_checkpoint(
     started = time.monotonic()
     _check_options(options)
     listing = list_location(location)
-    safetensors_names = sorted(name for name in listing.top_level if name.endswith(".safetensors"))
+    weights = choose_weights(listing.top_level)
+    safetensors_names = weights.listed
     if not safetensors_names:
         raise no_safetensors(location, listing)
 
@@ -86,7 +88,7 @@ def verify_checkpoint(
             findings.warning(
                 "no-index", None, f"{len(read.shards)} .safetensors files and no {INDEX_NAME}; vLLM loads them all"
             )
-        check_consolidated_mix(safetensors_names, findings)
+        check_consolidated_mix(weights, findings)
     check_expectations(options.expectations, read.shards, read.index, findings)
     # Sub-folders the model's configs name (sentence-transformers modules, custom code) are needed, not stray.
     referenced = read_config_references(location, listing.sizes) if listing.subfolders else {}
@@ -110,7 +112,7 @@ def listed_layout(location: Location, options: VerifyOptions = DEFAULT_OPTIONS) 
     """`detect_layout`, and the one listing it was read from."""
     _check_options(options)
     listing = list_location(location)
-    safetensors_names = sorted(name for name in listing.top_level if name.endswith(".safetensors"))
+    safetensors_names = choose_weights(listing.top_level).listed
     if not safetensors_names:
         raise no_safetensors(location, listing)
     return _layout(options, listing, safetensors_names)[2], listing
