@@ -7,10 +7,11 @@ Method
 ------
 - Source: a checkpoint generated into a scratch folder under PARENT (default the system temp folder) with
   Llama-3.1-8B's tensor names and shapes (bf16, random values): the embeddings, then as many decoder layers
-  as `--size-gib` (3 GiB; --quick 0.5) holds, cut into files of at most `--shard-gb` GB (2) the way
+  as `--size-gib` (3 GiB; --quick 0.5, which is the embeddings and one layer: 1.5 GB) holds, cut into files of at most `--shard-gb` GB (2) the way
   `save_pretrained` cuts them, with config.json and the index. It is read once before the runs, so every
   method reads it from the page cache (nothing here may drop the cache of a machine others share).
-- Methods, each a subprocess measured by os.wait4 (wall, user and system CPU, peak RSS), into a fresh DEST
+- Methods, each a subprocess measured by os.wait4 (wall, user and system CPU, peak RSS: at least this
+  script's own ~20 MB, which ru_maxrss carries across exec), into a fresh DEST
   that is removed (and the disk synced, so one run's dirty pages never bill the next) after each:
   (a) `cp -r SRC DEST` (coreutils: copy_file_range, no hashing, no fsync);
   (b) `python -m streamctl transfer SRC DEST --json` with its defaults (sha256 of every byte, temporary files
@@ -127,8 +128,8 @@ def _shard_layouts(total_bytes: int, shard_bytes: int) -> list[list[tuple[str, l
     return shards
 
 
-def write_checkpoint(folder: Path, total_bytes: int, shard_bytes: int) -> int:
-    """The checkpoint's files written into `folder` (random bf16 values); returns its size in bytes."""
+def write_checkpoint(folder: Path, total_bytes: int, shard_bytes: int) -> None:
+    """The checkpoint's files written into `folder` (random bf16 values)."""
     import numpy as np
 
     from streamctl.checkpoint.safetensors import encode_safetensors_header
@@ -158,7 +159,6 @@ def write_checkpoint(folder: Path, total_bytes: int, shard_bytes: int) -> int:
               "intermediate_size": INTERMEDIATE, "num_hidden_layers": layers, "num_attention_heads": 32,
               "num_key_value_heads": 8, "vocab_size": VOCAB, "torch_dtype": "bfloat16"}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return sum(path.stat().st_size for path in folder.iterdir())
 
 
 # --------------------------------------------------------------------------------------------- the runs
@@ -264,12 +264,18 @@ def print_runs(runs: list[Run], size: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--generate"]:
+        write_checkpoint(Path(argv[1]), int(argv[2]), int(argv[3]))
+        return 0
     args = parse_args(argv)
     env = dict(os.environ)
     with scratch(args.dir) as folder:
         source, dest = folder / "source", folder / "dest"
         generated = time.monotonic()
-        size = write_checkpoint(source, args.size, int(args.shard_gb * GB))
+        # In a child: numpy's pages would otherwise count in every method's peak RSS (ru_maxrss survives exec).
+        generate = [sys.executable, __file__, "--generate", str(source), str(args.size), str(int(args.shard_gb * GB))]
+        subprocess.run(generate, check=True, env=env)
+        size = sum(path.stat().st_size for path in source.iterdir())
         files = sorted(path.name for path in source.iterdir())
         print(f"checkpoint: Llama-3.1-8B's shapes, {human_bytes(size)} in {len(files)} files "
               f"(largest {human_bytes(max((source / name).stat().st_size for name in files))}), generated in "

@@ -6,7 +6,10 @@ once. A byte budget (`max_buffer`) is taken before a part is read and given back
 so memory never grows with the model; each part is read into a reused buffer (uploads.PartBuffers),
 hashed and sent from it without a copy. Each file's sha256 is computed in flight, in part order, and
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
-of small files); otherwise it is aborted and the file retried once from scratch.
+of small files); otherwise it is aborted and the file retried once from scratch. A source that publishes
+no sha256 (a local folder) is hashed before its upload starts when DEST is a bucket, which fixes metadata
+then; into a local folder it is not: each byte is read once, the digest computed in flight is stored at
+completion, and the source's size and version are checked again first (a file that changed is refused).
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
 stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match. Inside a
@@ -174,9 +177,10 @@ class Engine:
         info = self._retry(lambda: self.source.store.stat(key), f"stat of {file.path}")
         assert isinstance(info, ObjectInfo)
         if info.size != file.size or (None not in (file.source_etag, info.etag) and info.etag != file.source_etag):
+            now = f"{info.size:,} bytes now" if info.size != file.size else "modified since"
             raise IntegrityError(
-                f"{self.source.store.url(key)} changed during the copy ({file.size:,} bytes planned, "
-                f"{info.size:,} now); nothing was committed",
+                f"{self.source.store.url(key)} changed during the copy ({file.size:,} bytes planned, {now}); "
+                "nothing was committed",
                 hint="re-run once nothing writes to the source",
             )
 
@@ -277,8 +281,9 @@ class Engine:
     ) -> _HashChain:
         """Every part of `file` read (each on its own, or from `stream`), hashed in order and sent; on any
         failure, returns only once every part has given its budget back."""
-        # The git blob sha1 checks a file only when its sha256 is not known (small hub files).
-        chain = _HashChain(Digests(file.size, with_git_sha1=file.sha256 is None and file.git_sha1 is not None))
+        # The git blob sha1 checks a file only when no sha256 is known before the copy (hub files outside LFS).
+        unknown = file.sha256 is None and _sha256_at_completion(self.dest.store)
+        chain = _HashChain(Digests(file.size, with_git_sha1=unknown and file.git_sha1 is not None))
         futures: list[Future[None]] = []
         try:
             for index, start in enumerate(range(0, file.size, part_size)):
