@@ -120,3 +120,31 @@ def test_a_source_file_changed_during_the_copy_is_refused(tmp_path: Path, how: s
     assert not (tmp_path / "dest" / "short-last.bin").exists()  # no final name holds the mixed bytes
     assert not (tmp_path / "dest" / MANIFEST_NAME).exists()
     assert dest.store.unfinished_uploads("") == []  # its temporary file is gone too
+
+
+class FlippedByte(CountingReads):
+    """SOURCE's store serving one wrong byte in every read of a part (a hub that serves other bytes)."""
+
+    def read_range_into(self, key: str, start: int, buffer: memoryview) -> int:
+        count = super().read_range_into(key, start, buffer)
+        if count:
+            buffer[0] ^= 0xFF
+        return count
+
+
+def test_a_hub_file_outside_lfs_is_read_once_and_checked_by_its_git_sha1(fake_hub: Any, tmp_path: Path) -> None:
+    """A hub file with no LFS sha256 (a git file of several parts) into a local folder: read once, and its
+    git blob sha1 checks the bytes in flight; bytes that do not match it are refused (exit 5)."""
+    data = random.Random(9).randbytes(3 * PART + 5)
+    fake_hub.add_repo("org/git-file", {"notes.txt": data, "config.json": b"{}"}, lfs_suffixes=(), lfs_threshold=1 << 30)
+    source = open_location("hf://org/git-file")
+    counting = CountingReads(source.store)
+    result = run(Location(counting, source.prefix), open_location(str(tmp_path / "dest")))
+    assert {file.path: file.sha256 for file in result.files}["notes.txt"] == hashlib.sha256(data).hexdigest()
+    assert (tmp_path / "dest" / "notes.txt").read_bytes() == data
+    assert counting.read[source.key("notes.txt")] == len(data)
+
+    with pytest.raises(IntegrityError) as raised:
+        run(Location(FlippedByte(source.store), source.prefix), open_location(str(tmp_path / "other")))
+    assert "git blob sha1" in raised.value.message and "notes.txt" in raised.value.message
+    assert not (tmp_path / "other" / "notes.txt").exists()
