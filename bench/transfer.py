@@ -54,6 +54,8 @@ server's CPU and the load average printed at the end before reading a ratio as s
 
 Usage: python bench/transfer.py [--quick] [--size-gib 1] [--rounds 2] [--link auto|kernel|proxy]
        [--rate-mb-s 25] [--delay-ms 10] [--dest gs|s3] [--concurrency 16]
+       python bench/transfer.py --dest local [--quick] [--size-gib 3] [--shard-gb 2] [--rounds 3] [--dir PARENT]
+       (folder to folder against `cp -r` and the read+sha256+write floor: bench/transfer_local.py)
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import itertools
 import json
 import os
 import random
@@ -600,7 +603,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--rate-mb-s", type=float, default=25.0, help="per-connection cap of the link, MB/s")
     parser.add_argument("--delay-ms", type=float, default=10.0, help="one-way delay of the link")
-    parser.add_argument("--dest", choices=("gs", "s3"), default="gs", help="destination store (default gs)")
+    parser.add_argument("--dest", choices=("gs", "s3", "local"), default="gs",
+                        help="destination store (default gs); local: folder to folder against cp, see "
+                             "bench/transfer_local.py")  # fmt: skip
     parser.add_argument("--concurrency", type=int, default=16, help="streamctl -j and the bare copier's threads")
     parser.add_argument("--link", choices=("auto", "kernel", "proxy"), default="auto",
                         help="the simulated link: the kernel's (netns, veth, netem, fq), the user-space proxy, "
@@ -611,10 +616,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+def _dest_is_local(argv: list[str]) -> bool:
+    return "--dest=local" in argv or ("--dest", "local") in itertools.pairwise(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--seed-worker"]:
         return seed_worker(argv[1:])
+    if _dest_is_local(argv):
+        import transfer_local  # the local-to-local case: against cp, its own options (see its docstring)
+
+        return transfer_local.main(argv)
     args = parse_args(argv)
     bench_started, load_start = time.monotonic(), os.getloadavg()[0]
     floor = cpu_floor_s_per_gb(128 * MiB if args.quick else 512 * MiB)

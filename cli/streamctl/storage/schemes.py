@@ -32,6 +32,9 @@ class Scheme:
     writable: bool = True  # False: a SOURCE only
     object_store: bool = False  # BUCKET/KEY addressing; the streamer reads `SCHEME://BUCKET/KEY`
     local: bool = False  # this machine's file system: nothing a pod (a manifest) can reach
+    # An upload takes its metadata when it completes at no cost (a local file's extended attributes are
+    # written then anyway); a bucket fixes an object's metadata when its upload starts.
+    metadata_at_completion: bool = False
     names: NameLimits | None = None  # None: a SOURCE only
 
 
@@ -44,6 +47,7 @@ SCHEMES: dict[str, Scheme] = {
             "streamctl.storage.local:open_store",
             "a local folder",
             local=True,
+            metadata_at_completion=True,
             names=NameLimits(4095, "bytes", 255),
         ),
         Scheme("s3", "streamctl.storage.s3:open_store", "S3", object_store=True, names=NameLimits(1024, "bytes")),

@@ -6,7 +6,10 @@ once. A byte budget (`max_buffer`) is taken before a part is read and given back
 so memory never grows with the model; each part is read into a reused buffer (parts.PartBuffers),
 hashed and sent from it without a copy. Each file's sha256 is computed in flight, in part order, and
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
-of small files); otherwise it is aborted and the file retried once from scratch.
+of small files); otherwise it is aborted and the file retried once from scratch. A source that publishes
+no sha256 (a local folder) is hashed before its upload starts when DEST is a bucket, which fixes metadata
+then; into a local folder it is not: each byte is read once, the digest computed in flight is stored at
+completion, and the source's size and version are checked again first (a file that changed is refused).
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
 stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match. Inside a
@@ -39,7 +42,8 @@ from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, Str
 from streamctl.interrupts import Shielded
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MultipartUpload
+from streamctl.storage.base import HeldPart, Location, MultipartUpload, ObjectInfo, Store
+from streamctl.storage.schemes import SCHEMES
 from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
 from streamctl.transfer.parts import PartBuffers, resume_token
 from streamctl.transfer.plan import FilePlan, TransferOptions
@@ -167,6 +171,20 @@ class Engine:
         if read != len(buffer):
             raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
 
+    def _check_unchanged(self, file: FilePlan) -> None:
+        """IntegrityError when the source file's size or version (a local file's mtime) is not the plan's any
+        more: it changed while it was read, so the digest computed in flight may mix two versions."""
+        key = self.source.key(file.path)
+        info = self._retry(lambda: self.source.store.stat(key), f"stat of {file.path}")
+        assert isinstance(info, ObjectInfo)
+        if info.size != file.size or (None not in (file.source_etag, info.etag) and info.etag != file.source_etag):
+            now = f"{info.size:,} bytes now" if info.size != file.size else "modified since"
+            raise IntegrityError(
+                f"{self.source.store.url(key)} changed during the copy ({file.size:,} bytes planned, {now}); "
+                "nothing was committed",
+                hint="re-run once nothing writes to the source",
+            )
+
     def _sent(self, task: int, amount: int) -> None:
         with self.lock:
             self.bytes_sent += amount
@@ -200,10 +218,14 @@ class Engine:
         if file.size <= part_size:
             return self._copy_small(file, task)
         sha256 = file.sha256
-        if sha256 is None:
-            # Multipart metadata is fixed when the upload starts, so the digest must be known first.
+        if sha256 is None and not _sha256_at_completion(store):
+            # A bucket fixes an object's metadata when its upload starts (S3: a late one costs a server-side
+            # copy of the object), so the digest is known first; a local file takes it at completion.
             sha256 = hash_object(self.source, file.path, file.size, self.options.retry)
-        metadata = {SHA256_KEY: sha256, **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {})}
+        metadata = {
+            **({SHA256_KEY: sha256} if sha256 else {}),
+            **({GIT_SHA1_KEY: file.git_sha1} if file.git_sha1 else {}),
+        }
         key = self.dest.key(file.path)
         token = self.resume_token(file)
 
@@ -233,8 +255,11 @@ class Engine:
             problem = mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
-            self._retry(lambda: upload.complete(metadata), f"completion of {file.path}")
-            return sha256
+            if sha256 is None:  # hashed in flight only: the bytes read are the file's only if it held still
+                self._check_unchanged(file)
+            computed = chain.digests.sha256.hexdigest()
+            self._retry(lambda: upload.complete({**metadata, SHA256_KEY: computed}), f"completion of {file.path}")
+            return computed
         except BaseException as error:
             # A lost link or a stopped run leaves sound parts: the run decides whether they stay to resume.
             kept = isinstance(error, (Cancelled, RemoteError))
@@ -257,7 +282,9 @@ class Engine:
     ) -> _HashChain:
         """Every part of `file` read (each on its own, or from `stream`), hashed in order and sent; on any
         failure, returns only once every part has given its budget back."""
-        chain = _HashChain(Digests(file.size, with_git_sha1=False))  # sha256 is known here
+        # The git blob sha1 checks a file only when no sha256 is known before the copy (hub files outside LFS).
+        unknown = file.sha256 is None and _sha256_at_completion(self.dest.store)
+        chain = _HashChain(Digests(file.size, with_git_sha1=unknown and file.git_sha1 is not None))
         futures: list[Future[None]] = []
         try:
             for index, start in enumerate(range(0, file.size, part_size)):
@@ -372,3 +399,10 @@ class Engine:
         if uploads:
             shown = ", ".join(sorted(self.dest.relative(upload.key) for upload in uploads)[:5])
             self.progress.log(f"left {len(uploads)} unfinished upload(s) for the next run to resume: {shown}")
+
+
+def _sha256_at_completion(store: Store) -> bool:
+    """Whether an upload into `store` takes its sha256 metadata at completion at no cost (the scheme table's
+    Scheme.metadata_at_completion)."""
+    scheme = SCHEMES.get(store.scheme)
+    return scheme is not None and scheme.metadata_at_completion
