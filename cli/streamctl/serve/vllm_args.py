@@ -1,4 +1,5 @@
-"""vLLM's `serve` options as vLLM 0.33's own parser reads them, for masking and refusing by option, not by spelling.
+"""vLLM's `serve` options as the supported releases' own parsers read them, for masking and refusing by option,
+not by spelling.
 
 `vllm serve` parses with `FlexibleArgumentParser` (vllm/utils/argparse_utils.py), an argparse parser with
 `allow_abbrev` on that first rewrites every `--name` so that `_` becomes `-` up to the first `.` (names
@@ -6,8 +7,9 @@ stay case-sensitive) and turns `--name.key=value` into `--name JSON`. argparse t
 secret can be spelled `--api-key K`, `--api_key=K`, `--api-k K`, `--api-key K1 K2`, `--hf_tok=T` or
 `--api-key.x K`; `resolve_option` maps each spelling to the option(s) vLLM would take it for.
 
-`VLLM_SERVE_OPTIONS` is every option string of vLLM 0.33's serve parser; `SECRET_OPTIONS` are those whose
-value is a credential. Both are checked against the real parser by tests/serve/test_vllm_secret_flags.py
+`VLLM_SERVE_OPTIONS` is every option string of the supported releases' serve parsers (0.34.0's: a superset of
+0.33.0's, which lacks ten of them); `SECRET_OPTIONS` are those whose value is a credential. The union is the
+cautious table: a prefix is resolved against every option some supported release has. Both are checked against the real parser by tests/serve/test_vllm_secret_flags.py
 (tests/vllm_oracle/serve_options.py), which also derives the secret list from the parser's options.
 """
 
@@ -38,8 +40,11 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--attention-config",
         "--aux-output-config",
         "--block-size",
+        "--cache-aware-admission-threshold",
+        "--cache-aware-admission-window",
         "--chat-template",
         "--chat-template-content-format",
+        "--checkpoint-prepare-on-startup",
         "--code-revision",
         "--cohere-format",
         "--cohere-is-reasoning-model",
@@ -90,6 +95,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--disable-ep-weight-filter",
         "--disable-eplb",
         "--disable-expert-parallel",
+        "--disable-extensible-kv-cache",
         "--disable-fastapi-docs",
         "--disable-fault-tolerance",
         "--disable-flash-late-interaction",
@@ -152,6 +158,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--enable-ep-weight-filter",
         "--enable-eplb",
         "--enable-expert-parallel",
+        "--enable-extensible-kv-cache",
         "--enable-fastapi-docs",
         "--enable-fault-tolerance",
         "--enable-flash-late-interaction",
@@ -208,6 +215,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--h11-max-header-count",
         "--h11-max-incomplete-event-size",
         "--headless",
+        "--headless-client-handshake-address",
         "--help",
         "--hf-config-path",
         "--hf-overrides",
@@ -266,6 +274,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--max-model-len",
         "--max-num-active-seqs",
         "--max-num-batched-tokens",
+        "--max-num-inflight-kv-loads",
         "--max-num-queued-reqs",
         "--max-num-queued-tokens",
         "--max-num-scheduled-tokens",
@@ -299,6 +308,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--no-allow-credentials",
         "--no-allow-deprecated-quantization",
         "--no-async-scheduling",
+        "--no-checkpoint-prepare-on-startup",
         "--no-cohere-is-reasoning-model",
         "--no-cudagraph-metrics",
         "--no-data-parallel-external-lb",
@@ -323,6 +333,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--no-return-sampling-mask",
         "--no-return-tokens-as-token-ids",
         "--no-scheduler-reserve-full-isl",
+        "--no-shuffle-safetensors-files",
         "--no-skip-mm-profiling",
         "--no-skip-tokenizer-init",
         "--no-sleep-mode-offload-cudagraph",
@@ -384,6 +395,7 @@ VLLM_SERVE_OPTIONS = frozenset(
         "--seed",
         "--served-model-name",
         "--show-hidden-metrics-for-version",
+        "--shuffle-safetensors-files",
         "--shutdown-timeout",
         "--skip-mm-profiling",
         "--skip-tokenizer-init",
