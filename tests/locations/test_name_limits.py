@@ -184,7 +184,7 @@ def test_the_vllm_gpu_engine_refuses_a_long_dest_before_its_lease_and_before_vll
     """vLLM names its own files as it saves: each rank's first part, the serving files, the manifest and the
     lease are checked before the lease is taken. (No GPU here: only the availability probe is stubbed.)"""
     from streamctl.errors import UsageError
-    from streamctl.shard import vllm_engine
+    from streamctl.shard.engines.vllm_gpu import engine as vllm_engine
     from streamctl.shard.plan import ShardOptions
 
     monkeypatch.setattr(vllm_engine, "check_vllm_engine_available", lambda: None)

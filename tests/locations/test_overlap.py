@@ -23,9 +23,9 @@ from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.errors import UsageError
 from streamctl.locations import check_disjoint, relation
+from streamctl.shard.engines.vllm_gpu.engine import shard_with_vllm
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_engine import shard_with_vllm
 from streamctl.storage import StorageOptions, open_location
 
 

@@ -189,7 +189,7 @@ def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_
     arguments, imports torch, and stops with exit 3 naming the GPUs it needs before building an engine."""
     import os
 
-    from streamctl.shard.vllm_engine import VLLM_SAVE_SCRIPT
+    from streamctl.shard.engines.vllm_gpu.engine import VLLM_SAVE_SCRIPT
 
     arguments = {
         "model": str(tmp_path),
@@ -218,7 +218,7 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     rest of the path (copy to DEST, manifest, both checks) runs for real."""
     import subprocess as subprocess_module
 
-    import streamctl.shard.vllm_engine as vllm_engine
+    import streamctl.shard.engines.vllm_gpu.engine as vllm_engine
 
     config, hf = write_model(tmp_path / "hf", "qwen2")
     commands: list[list[str]] = []

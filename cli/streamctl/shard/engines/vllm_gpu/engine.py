@@ -1,4 +1,4 @@
-"""`--engine vllm-gpu` (formerly `vllm`): vLLM's own `save_sharded_state` (shard/vllm_save.py, in a subprocess on GPUs) writes into
+"""`--engine vllm-gpu` (formerly `vllm`): vLLM's own `save_sharded_state` (shard/engines/vllm_gpu/save.py, in a subprocess on GPUs) writes into
 a temporary folder; its files are then streamed to DEST and checked and recorded as the offline writer's are."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from streamctl.storage.base import ListingNote, Location, ObjectInfo
 from streamctl.uploads import discard_unfinished_uploads
 
 # The script the engine subprocess runs (by path: vLLM's Python need not have streamctl installed).
-VLLM_SAVE_SCRIPT = Path(__file__).with_name("vllm_save.py")
+VLLM_SAVE_SCRIPT = Path(__file__).with_name("save.py")
 
 
 def _find_gpus() -> bool:

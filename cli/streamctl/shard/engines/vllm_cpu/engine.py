@@ -1,5 +1,5 @@
 """`--engine vllm-cpu`: vLLM's own model classes lay the files out. A worker in a CPU-only vLLM environment
-(shard/vllm_worker.py starts it; shard/vllm_cpu_worker.py is the worker) builds every (pp_rank, tp_rank) one
+(shard/engines/vllm_cpu/client.py starts it; shard/engines/vllm_cpu/worker.py is the worker) builds every (pp_rank, tp_rank) one
 decoder layer at a time and streams each tensor's bytes; streamctl plans the files from the worker's plan
 reply (parts by `split_into_parts`, file layout by `stage_files`: the offline writer's rules), writes them
 through the usual part streams (nothing under a final name until all are complete), checks and records them
@@ -32,6 +32,8 @@ from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
 from streamctl.shard.dest import RunKind, check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
+from streamctl.shard.engines.vllm_cpu.checks import LoaderCheckReport, TensorDigests, check_tensor_digests
+from streamctl.shard.engines.vllm_cpu.client import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
 from streamctl.shard.plan import (
     ModelDims,
@@ -53,8 +55,6 @@ from streamctl.shard.planning import (
     weight_files,
 )
 from streamctl.shard.result import ShardResult, WrittenFile
-from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_tensor_digests
-from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
 from streamctl.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
@@ -165,7 +165,7 @@ def shard_with_vllm_cpu(
     refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force, kind)
     own = worker is None
     if worker is None:
-        from streamctl.shard.vllm_env import resolve_vllm_python
+        from streamctl.shard.engines.vllm_cpu.env import resolve_vllm_python
 
         python = resolve_vllm_python(options.vllm_python, options.vllm_version, progress)
         worker = start_worker(python.path, progress, forward_logs=options.engine_logs)

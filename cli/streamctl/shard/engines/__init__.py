@@ -1,0 +1,1 @@
+"""The shard engines, each in its own package: offline/, vllm_cpu/, vllm_gpu/."""
