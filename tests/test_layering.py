@@ -823,3 +823,167 @@ def test_vllm_internals_checker_catches_private_names_and_paths(tmp_path: Path) 
         "(vLLM internals: vllm_cpu/compat.py)",
         "streamctl/shard/engines/vllm_cpu/worker_plan.py:6: reads vLLM's parallel_state._PP (vllm_cpu/compat.py)",
     ]
+
+
+# -- shard engines: one lifecycle (shard/run.py), engines behind shard/engine.py, chosen from a registry ---------
+
+ENGINES_PACKAGE = "streamctl.shard.engines"
+# What an engine (a package under shard/engines/) may import of streamctl besides its own package: the storage
+# protocol (and opening a local temporary folder), the engine contract, the plan types with what reads SOURCE
+# and plans by the layout table, DEST's state for its plan_dest step, the writer's part streams, the shared
+# checks, the checkpoint facts, and the small tools (errors, progress, retries, interrupts, byte budgets,
+# overlap, OS errors, libc). Not the run's lifecycle: lease, ownership, manifests, result, the run itself.
+ENGINE_IMPORTS = (
+    "streamctl.storage",
+    "streamctl.storage.base",
+    "streamctl.shard.engine",
+    "streamctl.shard.plan",
+    "streamctl.shard.planning",
+    "streamctl.shard.dest",
+    "streamctl.shard.writer",
+    "streamctl.shard.checks",
+    "streamctl.errors",
+    "streamctl.progress",
+    "streamctl.retry",
+    "streamctl.interrupts",
+    "streamctl.uploads",
+    "streamctl.locations",
+    "streamctl.oserrors",
+    "streamctl._libc",
+)
+ENGINE_IMPORT_PACKAGES = ("streamctl.checkpoint",)
+# The modules of the run's lifecycle, which name no engine: engines come from the registry.
+LIFECYCLE_MODULES = ("streamctl.shard.run", "streamctl.shard.lifecycle", "streamctl.shard.result")
+
+
+def _engine_of(name: str, package: str = ENGINES_PACKAGE) -> str | None:
+    """The engine package `name` belongs to (streamctl.shard.engines.X), None outside one."""
+    if not name.startswith(package + "."):
+        return None
+    return ".".join(name.split(".")[: package.count(".") + 2])
+
+
+def check_engine_imports(modules: tuple[Module, ...]) -> list[str]:
+    """An engine imports of streamctl only ENGINE_IMPORTS (and the checkpoint facts) and its own package: no
+    other engine, not the registry, not the lifecycle."""
+    known = frozenset(m.name for m in modules)
+    found = []
+    for module in modules:
+        engine = _engine_of(module.name)
+        if engine is None:
+            continue
+        for item in imports(module, known):
+            target = item.target
+            if not _within(target, "streamctl") or _within(target, engine) or target in ENGINE_IMPORTS:
+                continue
+            if any(_within(target, package) for package in ENGINE_IMPORT_PACKAGES):
+                continue
+            other = _engine_of(target)
+            why = f"another engine, {other}" if other else "not what an engine may import"
+            found.append(f"{module.path}:{item.line}: imports {target} ({why})")
+    return found
+
+
+def check_engines_loaded_by_registry(modules: tuple[Module, ...]) -> list[str]:
+    """Outside shard/engines/, no module imports an engine when it is imported (the registry loads one on
+    first use; a function may import an engine's types, as output.py renders vllm-cpu's checks)."""
+    known = frozenset(m.name for m in modules)
+    return [
+        f"{m.path}:{i.line}: imports {i.target} when imported (engines load through {ENGINES_PACKAGE}.ENGINES)"
+        for m in modules
+        if not _within(m.name, ENGINES_PACKAGE)
+        for i in imports(m, known)
+        if i.on_import and _engine_of(i.target) is not None
+    ]
+
+
+def check_lifecycle_names_no_engine(modules: tuple[Module, ...], engines: tuple[str, ...]) -> list[str]:
+    """The lifecycle (LIFECYCLE_MODULES) compares nothing with an engine's name: no if-chain over engines."""
+    found = []
+    for module in (m for m in modules if m.name in LIFECYCLE_MODULES):
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                named = [o.value for o in operands if isinstance(o, ast.Constant) and o.value in engines]
+                found += [f"{module.path}:{node.lineno}: compares with the engine name {name!r}" for name in named]
+    return found
+
+
+def _registry_names(modules: tuple[Module, ...]) -> tuple[str, ...]:
+    """The keys of `ENGINES = {...}` in shard/engines/__init__.py."""
+    registry = next(m for m in modules if m.name == ENGINES_PACKAGE)
+    for node in ast.walk(registry.tree):
+        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == "ENGINES" for t in targets):
+                return tuple(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return ()
+
+
+def test_engines_import_only_the_contract_and_their_own_package(package: tuple[Module, ...]) -> None:
+    assert check_engine_imports(package) == []
+    engines = {_engine_of(m.name) for m in package} - {None}
+    assert engines == {f"{ENGINES_PACKAGE}.{name}" for name in ("offline", "vllm_cpu", "vllm_gpu")}
+
+
+def test_engines_load_through_the_registry(package: tuple[Module, ...]) -> None:
+    assert check_engines_loaded_by_registry(package) == []
+
+
+def test_the_lifecycle_chooses_no_engine_by_name(package: tuple[Module, ...]) -> None:
+    names = _registry_names(package)
+    assert names == ("offline", "vllm-cpu", "vllm-gpu")
+    assert check_lifecycle_names_no_engine(package, names) == []
+
+
+def test_engine_imports_checker_catches_the_lifecycle_and_another_engine(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "lease.py": "",
+            "shard/__init__.py": "",
+            "shard/plan.py": "",
+            "shard/engines/__init__.py": "",
+            "shard/engines/a/__init__.py": "",
+            "shard/engines/a/engine.py": "from streamctl.shard.plan import P\nfrom streamctl.shard.engines.a import x\n"
+            "from streamctl.checkpoint.files import N\nimport json\ndef f():\n    from streamctl import lease\n",
+            "shard/engines/a/x.py": "from streamctl.shard.engines.b.engine import B\nfrom streamctl.shard import engines\n",
+            "shard/engines/b/__init__.py": "",
+            "shard/engines/b/engine.py": "from streamctl.shard.result import R\n",
+        },
+    )
+    assert check_engine_imports(modules) == [
+        "streamctl/shard/engines/a/engine.py:6: imports streamctl.lease (not what an engine may import)",
+        "streamctl/shard/engines/a/x.py:1: imports streamctl.shard.engines.b.engine "
+        "(another engine, streamctl.shard.engines.b)",
+        "streamctl/shard/engines/a/x.py:2: imports streamctl.shard.engines (not what an engine may import)",
+        "streamctl/shard/engines/b/engine.py:1: imports streamctl.shard.result (not what an engine may import)",
+    ]
+
+
+def test_registry_checkers_catch_an_eager_engine_import_and_an_if_chain(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "output.py": "def render():\n    from streamctl.shard.engines.a.checks import Report\n",
+            "shard/__init__.py": "",
+            "shard/run.py": "from streamctl.shard.engines.a.engine import A\n"
+            "def run(options):\n    if options.engine == 'a':\n        return A()\n"
+            "    return 'b' != options.engine or options.engine == 'auto'\n",
+            "shard/engines/__init__.py": "def _a():\n    from streamctl.shard.engines.a.engine import A\n"
+            "ENGINES = {'a': _a, 'b': _a}\n",
+            "shard/engines/a/__init__.py": "",
+            "shard/engines/a/engine.py": "from streamctl.shard.engines.a import checks\n",
+            "shard/engines/a/checks.py": "",
+        },
+    )
+    assert check_engines_loaded_by_registry(modules) == [
+        "streamctl/shard/run.py:1: imports streamctl.shard.engines.a.engine when imported "
+        "(engines load through streamctl.shard.engines.ENGINES)"
+    ]
+    names = _registry_names(modules)
+    assert names == ("a", "b")
+    assert check_lifecycle_names_no_engine(modules, names) == [
+        "streamctl/shard/run.py:3: compares with the engine name 'a'",
+        "streamctl/shard/run.py:5: compares with the engine name 'b'",
+    ]

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from streamctl.ownership import EARLIER_RUN, NOT_STREAMCTL, Cleanup, LeftAlone
-from streamctl.shard.result import WrittenFile
+from streamctl.shard.writer import WrittenFile
 from streamctl.uploads import CopiedFile
 
 VERSION = "9.8.7-golden"

@@ -219,6 +219,8 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     import subprocess as subprocess_module
 
     import streamctl.shard.engines.vllm_gpu.engine as vllm_engine
+    from streamctl.progress import NULL_PROGRESS
+    from streamctl.shard.run import run_shard
 
     config, hf = write_model(tmp_path / "hf", "qwen2")
     commands: list[list[str]] = []
@@ -239,11 +241,12 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
         return subprocess_module.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(vllm_engine, "check_vllm_engine_available", lambda: None)
-    result = vllm_engine.shard_with_vllm(
+    result = run_shard(
         open_location(str(tmp_path / "hf")),
         open_location(str(tmp_path / "out")),
         ShardOptions(2, engine="vllm-gpu"),
-        runner=fake_vllm,
+        NULL_PROGRESS,
+        vllm_engine.VllmGpuEngine(fake_vllm),
     )
     script = Path(commands[0][-2])
     assert json.loads(commands[0][-1])["tensor_parallel_size"] == 2 and "save_sharded_state" in script.read_text()

@@ -1,5 +1,6 @@
-"""`--engine vllm-gpu` (formerly `vllm`): vLLM's own `save_sharded_state` (shard/engines/vllm_gpu/save.py, in a subprocess on GPUs) writes into
-a temporary folder; its files are then streamed to DEST and checked and recorded as the offline writer's are."""
+"""`--engine vllm-gpu` (formerly `vllm`): vLLM's own `save_sharded_state` (save.py, in a subprocess on GPUs)
+writes into a temporary folder; its files are then streamed to DEST, checked and recorded by `run_shard` as
+every engine's are."""
 
 from __future__ import annotations
 
@@ -9,33 +10,29 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes
 from streamctl.checkpoint.safetensors import ParsedHeader, parse_header, read_header
-from streamctl.checkpoint.sharded_names import default_pattern, format_name, parse_sharded_name, validate_pattern
+from streamctl.checkpoint.sharded_names import format_name, parse_sharded_name
 from streamctl.checkpoint.vllm_layouts import installed_vllm_version, layout_row
 from streamctl.errors import MissingProgramError, UsageError
 from streamctl.interrupts import shielded_calls
-from streamctl.lease import Lease, hold_lease
 from streamctl.locations import check_disjoint
-from streamctl.ownership import Cleanup, remove_files
-from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.progress import Progress
 from streamctl.retry import with_retries
 from streamctl.shard.checks import check_written
 from streamctl.shard.dest import RunKind, check_dest, check_shard_names
-from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
-from streamctl.shard.plan import ModelDims, ShardOptions, ShardPlan
+from streamctl.shard.engine import Checks, EngineRun, Written
+from streamctl.shard.plan import Engine, ModelDims, ShardOptions, ShardPlan
 from streamctl.shard.planning import list_source, plan_shard, read_json_object, serving_files_to_copy
-from streamctl.shard.result import ShardResult, WrittenFile
-from streamctl.shard.writer import PartStream, abort_all, commit_all, start_stream
+from streamctl.shard.writer import PartStream, WrittenFile, abort_all, commit_all, start_stream
 from streamctl.storage.base import ListingNote, Location, ObjectInfo
-from streamctl.uploads import discard_unfinished_uploads
 
 # The script the engine subprocess runs (by path: vLLM's Python need not have streamctl installed).
 VLLM_SAVE_SCRIPT = Path(__file__).with_name("save.py")
@@ -63,113 +60,118 @@ def check_vllm_engine_available() -> None:
         )
 
 
-def shard_with_vllm(
-    source: Location,
-    dest: Location,
-    options: ShardOptions,
-    progress: Progress = NULL_PROGRESS,
-    source_id: str | None = None,
-    runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None = None,
-) -> ShardResult:
-    """vLLM's own save path: an engine at the requested TP/PP saves into a temporary folder (a subprocess,
-    so the GPUs and torch are released afterwards), then the same copy to DEST, manifest and checks."""
-    options.validate()
-    if source.store.scheme != "file":
-        raise UsageError(
-            "--engine vllm-gpu needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`"
+@dataclass(frozen=True)
+class _SourcePlan:
+    """What the engine read of SOURCE before the lease."""
+
+    version: str | None
+    pattern: str
+    serving: tuple[tuple[str, int], ...]
+    config: dict[str, Any]
+
+
+class VllmGpuEngine:
+    """vLLM's own save path: under the lease, an engine at the requested TP/PP saves into a temporary folder
+    (a subprocess, so the GPUs and torch are released afterwards), before DEST is written (a failed save
+    leaves it as it was); `write` streams its files to DEST. `runner` runs the save's command (tests)."""
+
+    name: Engine = "vllm-gpu"
+    plans_rank_files = False  # vLLM names its parts as it saves
+
+    def __init__(self, runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None = None) -> None:
+        self.runner = runner or _run
+        self._saved: tempfile.TemporaryDirectory[str] | None = None
+        self._source_plan: _SourcePlan | None = None
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            if self._saved is not None:
+                self._saved.cleanup()
+
+    def plan(self, run: EngineRun) -> tuple[ListingNote, ...]:
+        source, dest, options, progress = run.source, run.dest, run.options, run.progress
+        if source.store.scheme != "file":
+            raise UsageError(
+                "--engine vllm-gpu needs SOURCE as a local folder", hint="copy it first with `streamctl transfer`"
+            )
+        check_disjoint(source, dest)
+        check_vllm_engine_available()
+        version = options.vllm_version or installed_vllm_version()
+        pattern = options.file_pattern()
+        listing = list_source(source)
+        notes = listing_notes(source)
+        log_notes(notes, progress)
+        sizes = listing.sizes
+        config = read_json_object(source, CONFIG_NAME, sizes[CONFIG_NAME]) if CONFIG_NAME in sizes else {}
+        serving = serving_files_to_copy(source, listing, config)
+        # vLLM names its parts as it saves; each rank's first part stands for them (a longer part number is rare).
+        ranks = [
+            format_name(pattern, tp_rank=tp_rank, part=0, pp_rank=pp_rank)
+            for pp_rank in range(options.pipeline_parallel_size)
+            for tp_rank in range(options.tensor_parallel_size)
+        ]
+        check_shard_names(dest, [*ranks, *(path for path, _ in serving)])
+        self._source_plan = _SourcePlan(version, pattern, serving, config)
+        return notes
+
+    def plan_dest(self, run: EngineRun) -> ShardPlan:
+        """Under the lease (nobody writes meanwhile), and before vLLM runs: a refusal costs nothing. Then
+        vLLM's save into the temporary folder, and the plan describing its files."""
+        options, planned = run.options, self._planned()
+        tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+        kind = RunKind(run.source_label, "vllm-gpu", tp, pp, planned.pattern)
+        serving_names = {path for path, _ in planned.serving}
+        cleanup = check_dest(run.dest, planned.pattern, serving_names, options.force, kind=kind)
+        self._saved = tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-")
+        self._save(run, planned, self._saved.name)
+        architecture = str((planned.config.get("architectures") or ["?"])[0])
+        plan = _plan_for_saved(run, planned, architecture)
+        return replace(plan, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+
+    def write(self, run: EngineRun, plan: ShardPlan) -> Written:
+        from streamctl.storage import open_location
+
+        assert self._saved is not None
+        try:
+            saved = open_location(self._saved.name)
+            files = _copy_saved_files(saved, run.dest, plan.pattern, run.options, run.progress)
+        finally:
+            self._saved.cleanup()  # vLLM's copy is not needed by the checks (they read DEST)
+        return Written(files, sum(file.size for file in files))
+
+    def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:
+        verify, reconstruction = check_written(
+            run.source, run.dest, plan, run.options, run.progress, dtype_from_files=True
         )
-    check_disjoint(source, dest)
-    check_vllm_engine_available()
-    started = time.monotonic()
-    version = options.vllm_version or installed_vllm_version()
-    pattern = options.pattern or default_pattern(options.pipeline_parallel_size)
-    validate_pattern(pattern, options.tensor_parallel_size, options.pipeline_parallel_size)
-    listing = list_source(source)
-    notes = listing_notes(source)
-    log_notes(notes, progress)
-    config = read_json_object(source, CONFIG_NAME, listing.sizes[CONFIG_NAME]) if CONFIG_NAME in listing.sizes else {}
-    serving = serving_files_to_copy(source, listing, config)
-    # vLLM names its parts as it saves; each rank's first part stands for them (a longer part number is rare).
-    ranks = [
-        format_name(pattern, tp_rank=tp_rank, part=0, pp_rank=pp_rank)
-        for pp_rank in range(options.pipeline_parallel_size)
-        for tp_rank in range(options.tensor_parallel_size)
-    ]
-    check_shard_names(dest, [*ranks, *(path for path, _ in serving)])
-    with hold_lease(dest, f"streamctl shard {source_id or source.url}", progress) as lease:
-        return _shard_with_vllm_leased(
-            source, lease.fenced(dest), options, progress, source_id, runner, started, version, pattern, serving,
-            config, lease, notes,
-        )  # fmt: skip
+        return Checks(verify, reconstruction)
 
+    def _planned(self) -> _SourcePlan:
+        if self._source_plan is None:
+            raise RuntimeError("VllmGpuEngine.plan_dest before plan")
+        return self._source_plan
 
-def _shard_with_vllm_leased(
-    source: Location,
-    dest: Location,
-    options: ShardOptions,
-    progress: Progress,
-    source_id: str | None,
-    runner: Callable[[list[str]], subprocess.CompletedProcess[str]] | None,
-    started: float,
-    version: str | None,
-    pattern: str,
-    serving: tuple[tuple[str, int], ...],
-    config: dict[str, Any],
-    lease: Lease,
-    notes: tuple[ListingNote, ...],
-) -> ShardResult:
-    # Under the lease (nobody writes meanwhile), and before the engine runs: a refusal costs nothing.
-    tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
-    kind = RunKind(source_id or source.url, "vllm-gpu", tp, pp, pattern)
-    cleanup = check_dest(dest, pattern, {path for path, _ in serving}, options.force, kind=kind)
-    with tempfile.TemporaryDirectory(prefix="streamctl-vllm-save-") as folder:
+    def _save(self, run: EngineRun, planned: _SourcePlan, folder: str) -> None:
+        options = run.options
         arguments = {
-            "model": source.url,
+            "model": run.source.url,
             "output": folder,
             "tensor_parallel_size": options.tensor_parallel_size,
             "pipeline_parallel_size": options.pipeline_parallel_size,
             "dtype": options.dtype,
-            "pattern": pattern,
+            "pattern": planned.pattern,
             "max_size": options.max_part_size,
             "enable_expert_parallel": options.enable_expert_parallel,
         }
         # -P: the script's folder (this package) is not put on the path of vLLM's Python.
         command = [sys.executable, "-P", str(VLLM_SAVE_SCRIPT), json.dumps(arguments)]
-        progress.log("running vLLM's save_sharded_state (this starts a full engine)")
-        completed = (runner or _run)(command)
+        run.progress.log("running vLLM's save_sharded_state (this starts a full engine)")
+        completed = self.runner(command)
         if completed.returncode != 0:
             tail = (completed.stderr or "").strip().splitlines()[-5:]
             raise UsageError(f"vLLM's save failed (exit {completed.returncode}): {' | '.join(tail)}")
-        from streamctl.storage import open_location
-
-        saved = open_location(folder)
-        ours = partial(is_shard_output, pattern, serving)
-        discarded = discard_unfinished_uploads(dest, ours, progress, lease.acquired_at)
-        architecture = str((config.get("architectures") or ["?"])[0])
-        plan = _plan_for_saved(source, dest, options, serving, version, pattern, source_id, cleanup, architecture)
-        copied, created = begin_run(source, dest, plan, "vllm-gpu", [path for path, _ in serving], options, progress)
-        files = undo_on_failure(
-            dest, created, progress, partial(_copy_saved_files, saved, dest, pattern, options, progress)
-        )
-    write_seconds = time.monotonic() - started
-    written = {file.path for file in files}
-    removed = remove_files(dest, tuple(name for name in plan.stale if name not in written), progress)
-    verify, reconstruction = check_written(source, dest, plan, options, progress, dtype_from_files=True)
-    result = ShardResult(
-        plan,
-        "vllm-gpu",
-        files,
-        copied,
-        removed,
-        sum(file.size for file in files),
-        time.monotonic() - started,
-        write_seconds,
-        verify,
-        reconstruction,
-        discarded,
-        notes,
-    )
-    return record_result(dest, result, lease)
 
 
 def _run(command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -216,37 +218,25 @@ def _copy_saved_files(
     return tuple(written)
 
 
-def _plan_for_saved(
-    source: Location,
-    dest: Location,
-    options: ShardOptions,
-    serving_files: tuple[tuple[str, int], ...],
-    version: str | None,
-    pattern: str,
-    source_id: str | None,
-    cleanup: Cleanup,
-    architecture: str,
-) -> ShardPlan:
-    """A plan describing vLLM's files; it carries the table's layout (for the reconstruction check) when
-    the architecture is in the table, and no stages otherwise."""
+def _plan_for_saved(run: EngineRun, planned: _SourcePlan, architecture: str) -> ShardPlan:
+    """A plan describing vLLM's files (what DEST holds not yet decided); it carries the table's layout (for
+    the reconstruction check) when the architecture is in the table, and no stages otherwise."""
+    options = run.options
     try:
-        plan = plan_shard(source, dest, replace(options, engine="offline", force=True), source_id)
-        return replace(plan, pattern=pattern, stale=cleanup.to_remove, left_alone=cleanup.left_alone)
+        plan = plan_shard(run.source, run.dest, replace(options, engine="offline", force=True), run.source_id)
+        return replace(plan, pattern=planned.pattern)
     except UsageError:
         pass
-    row = layout_row(version)
-    dims = ModelDims(architecture, 0, 0, 0, 0, 0, 0, 0, False)
     return ShardPlan.for_run(
-        source=source_id or source.url,
-        dest=dest.url,
+        source=run.source_label,
+        dest=run.dest.url,
         options=options,
-        pattern=pattern,
-        version=version,
-        row=row,
-        dims=dims,
+        pattern=planned.pattern,
+        version=planned.version,
+        row=layout_row(planned.version),
+        dims=ModelDims(architecture, 0, 0, 0, 0, 0, 0, 0, False),
         stages=(),
-        serving_files=serving_files,
-        stale=cleanup.to_remove,
+        serving_files=planned.serving,
+        stale=(),
         tied_lm_head=None,
-        left_alone=cleanup.left_alone,
     )
