@@ -33,8 +33,8 @@ check  (worker_check.py) the FULL rank model loaded by vLLM's own ShardedStateLo
 Outgoing frames go through one writer thread (worker_channel.py). One torch thread (OpenMP's spinning
 workers cost 3-4x the CPU on a busy machine). Each vLLM log message reaches stderr once (OncePerMessage).
 Refusals and the error frame: worker_errors.py. Build-only stand-ins: shims.py. Every private vLLM
-access: compat.py. This module and those import the standard library, torch, vllm and streamctl.shard's
-vllm_* worker modules only.
+access: compat.py. This module and those import the standard library, torch, vllm and this package's
+worker modules only.
 """
 
 from __future__ import annotations
