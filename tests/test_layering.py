@@ -684,7 +684,7 @@ WORKER_THIRD_PARTY = ("torch", "vllm", "safetensors", "runai_model_streamer")
 # The streamctl modules outside WORKER_PACKAGE it may reach: the libc helper protocol.py's lifeline uses
 # (PR_SET_PDEATHSIG; standard library only). The packages above WORKER_PACKAGE run in vLLM's Python too (Python
 # imports them first): what they import when imported is checked as the worker's own.
-WORKER_STREAMCTL = ("streamctl._libc",)
+WORKER_STREAMCTL = ("streamctl.common.libc",)
 VLLM_COMPAT = "streamctl.shard.engines.vllm_cpu.compat"
 # The vLLM module paths the rest of the package may import: its public API (every other one, and anything of
 # vLLM named with a leading underscore, goes through shard/engines/vllm_cpu/compat.py, with its start-up check).
@@ -846,10 +846,10 @@ ENGINE_IMPORTS = (
     "streamctl.progress",
     "streamctl.retry",
     "streamctl.interrupts",
-    "streamctl.uploads",
-    "streamctl.locations",
+    "streamctl.dest.uploads",
+    "streamctl.dest.overlap",
     "streamctl.oserrors",
-    "streamctl._libc",
+    "streamctl.common.libc",
 )
 ENGINE_IMPORT_PACKAGES = ("streamctl.checkpoint",)
 # The modules of the run's lifecycle, which name no engine: engines come from the registry.
@@ -953,7 +953,7 @@ def test_engine_imports_checker_catches_the_lifecycle_and_another_engine(tmp_pat
         },
     )
     assert check_engine_imports(modules) == [
-        "streamctl/shard/engines/a/engine.py:6: imports streamctl.lease (not what an engine may import)",
+        "streamctl/shard/engines/a/engine.py:6: imports streamctl.dest.lease (not what an engine may import)",
         "streamctl/shard/engines/a/x.py:1: imports streamctl.shard.engines.b.engine "
         "(another engine, streamctl.shard.engines.b)",
         "streamctl/shard/engines/a/x.py:2: imports streamctl.shard.engines (not what an engine may import)",

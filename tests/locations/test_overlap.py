@@ -21,8 +21,8 @@ from cli_helpers import run_cli
 from shard_models import write_model
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.dest.overlap import check_disjoint, relation
 from streamctl.errors import UsageError
-from streamctl.locations import check_disjoint, relation
 from streamctl.progress import NULL_PROGRESS
 from streamctl.shard.engines.vllm_gpu.engine import VllmGpuEngine
 from streamctl.shard.plan import ShardOptions

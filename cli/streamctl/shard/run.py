@@ -14,8 +14,9 @@ from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
-from streamctl.lease import Lease, hold_lease
-from streamctl.ownership import remove_files
+from streamctl.dest.lease import Lease, hold_lease
+from streamctl.dest.ownership import remove_files
+from streamctl.dest.uploads import discard_unfinished_uploads
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.shard.auto import choose_engine
 from streamctl.shard.engine import EngineRun, ShardEngine
@@ -24,7 +25,6 @@ from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result,
 from streamctl.shard.plan import ShardOptions, ShardPlan, skipped_files
 from streamctl.shard.result import ShardCheckFailed, ShardResult
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import discard_unfinished_uploads
 
 if TYPE_CHECKING:
     from streamctl.shard.engines.vllm_cpu.client import VllmWorker

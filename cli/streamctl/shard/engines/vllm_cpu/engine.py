@@ -22,9 +22,10 @@ from streamctl.checkpoint.files import listing_notes, log_notes
 from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
+from streamctl.dest.overlap import check_disjoint
+from streamctl.dest.uploads import ByteBudget, Cancelled
 from streamctl.errors import EngineFailed, IntegrityError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls, stop_signal
-from streamctl.locations import check_disjoint
 from streamctl.progress import Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
@@ -54,7 +55,6 @@ from streamctl.shard.planning import (
 )
 from streamctl.shard.writer import PartStream, WrittenFile, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import ByteBudget, Cancelled
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes
 from streamctl.checkpoint.safetensors import ParsedHeader, parse_header, read_header
 from streamctl.checkpoint.sharded_names import format_name, parse_sharded_name
 from streamctl.checkpoint.vllm_layouts import installed_vllm_version, layout_row
+from streamctl.dest.overlap import check_disjoint
 from streamctl.errors import MissingProgramError, UsageError
 from streamctl.interrupts import shielded_calls
-from streamctl.locations import check_disjoint
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
 from streamctl.shard.checks import check_written
