@@ -73,7 +73,7 @@ from benchlib import (
     scratch_dir,
 )
 from streamctl.checkpoint.safetensors import encode_safetensors_header
-from streamctl.shard.vllm_worker import WORKER_MODULE, plan_request, start_worker
+from streamctl.shard.engines.vllm_cpu.client import WORKER_MODULE, plan_request, start_worker
 
 BLOCK = 64 * MiB  # random bytes repeated through every tensor: cheap to generate, never all zeros
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")

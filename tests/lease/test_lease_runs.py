@@ -378,9 +378,12 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     lease while vLLM saves, and releases it when the save fails."""
     import subprocess as subprocess_module
 
-    import streamctl.shard.vllm_engine as shard_module
+    import streamctl.shard.engines.vllm_gpu.engine as shard_module
     from streamctl.errors import UsageError
+    from streamctl.progress import NULL_PROGRESS
+    from streamctl.shard.engines.vllm_gpu.engine import VllmGpuEngine
     from streamctl.shard.plan import ShardOptions
+    from streamctl.shard.run import run_shard
 
     write_tiny_checkpoint(tmp_path / "hf", "llama-gqa")
     dest = open_location(str(tmp_path / "out"))
@@ -397,10 +400,10 @@ def test_the_vllm_engine_holds_the_lease_too(tmp_path: Path, monkeypatch: pytest
     version = dest.store.create_if_absent(dest.key(LEASE_NAME), other.to_bytes())
     options = ShardOptions(2, engine="vllm-gpu")
     with pytest.raises(DestinationBusy, match="gpu-node-2, pid 77"):
-        shard_module.shard_with_vllm(open_location(str(tmp_path / "hf")), dest, options, runner=fake_vllm)
+        run_shard(open_location(str(tmp_path / "hf")), dest, options, NULL_PROGRESS, VllmGpuEngine(fake_vllm))
     assert calls == []  # refused before starting an engine
     dest.store.delete_if_version(dest.key(LEASE_NAME), version)
     with pytest.raises(UsageError, match="vLLM's save failed"):
-        shard_module.shard_with_vllm(open_location(str(tmp_path / "hf")), dest, options, runner=fake_vllm)
+        run_shard(open_location(str(tmp_path / "hf")), dest, options, NULL_PROGRESS, VllmGpuEngine(fake_vllm))
     assert calls == [True]
     assert not has_lease(dest)

@@ -184,8 +184,10 @@ def test_the_vllm_gpu_engine_refuses_a_long_dest_before_its_lease_and_before_vll
     """vLLM names its own files as it saves: each rank's first part, the serving files, the manifest and the
     lease are checked before the lease is taken. (No GPU here: only the availability probe is stubbed.)"""
     from streamctl.errors import UsageError
-    from streamctl.shard import vllm_engine
+    from streamctl.progress import NULL_PROGRESS
+    from streamctl.shard.engines.vllm_gpu import engine as vllm_engine
     from streamctl.shard.plan import ShardOptions
+    from streamctl.shard.run import run_shard
 
     monkeypatch.setattr(vllm_engine, "check_vllm_engine_available", lambda: None)
 
@@ -193,10 +195,11 @@ def test_the_vllm_gpu_engine_refuses_a_long_dest_before_its_lease_and_before_vll
         raise AssertionError("vLLM must not be started")
 
     with pytest.raises(UsageError, match=r"name too long for .*holds 1,024"):
-        vllm_engine.shard_with_vllm(
+        run_shard(
             open_location(str(model)),
             open_location(f"{bucket_root}/{'p' * 1_000}"),
             ShardOptions(tensor_parallel_size=2, engine="vllm-gpu"),
-            runner=runner,
+            NULL_PROGRESS,
+            vllm_engine.VllmGpuEngine(runner),
         )
     assert everything_in(storage_servers, bucket_root) == []

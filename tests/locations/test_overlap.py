@@ -23,9 +23,10 @@ from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
 from streamctl.dest.overlap import check_disjoint, relation
 from streamctl.errors import UsageError
+from streamctl.progress import NULL_PROGRESS
+from streamctl.shard.engines.vllm_gpu.engine import VllmGpuEngine
 from streamctl.shard.plan import ShardOptions
-from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_engine import shard_with_vllm
+from streamctl.shard.run import run_shard, shard_checkpoint
 from streamctl.storage import StorageOptions, open_location
 
 
@@ -165,11 +166,12 @@ def test_shard_with_the_vllm_engine_refuses_an_alias_before_starting_vllm(tmp_pa
         raise AssertionError("vLLM must not be started")
 
     with pytest.raises(UsageError, match="is the same location as SOURCE"):
-        shard_with_vllm(
+        run_shard(
             open_location(str(tmp_path / "hf")),
             open_location(str(tmp_path / "link")),
             ShardOptions(tensor_parallel_size=2, engine="vllm-gpu", force=True),
-            runner=runner,
+            NULL_PROGRESS,
+            VllmGpuEngine(runner),
         )
     assert snapshot(tmp_path / "hf") == before
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from streamctl.dest.ownership import EARLIER_RUN, NOT_STREAMCTL, Cleanup, LeftAlone
 from streamctl.dest.uploads import CopiedFile
-from streamctl.shard.result import WrittenFile
+from streamctl.shard.writer import WrittenFile
 
 VERSION = "9.8.7-golden"
 NOW = datetime(2026, 12, 3, 9, 30, 15, 123456, tzinfo=UTC)

@@ -189,7 +189,7 @@ def test_vllm_save_script_runs_in_a_vllm_environment_and_names_missing_gpus(tmp_
     arguments, imports torch, and stops with exit 3 naming the GPUs it needs before building an engine."""
     import os
 
-    from streamctl.shard.vllm_engine import VLLM_SAVE_SCRIPT
+    from streamctl.shard.engines.vllm_gpu.engine import VLLM_SAVE_SCRIPT
 
     arguments = {
         "model": str(tmp_path),
@@ -218,7 +218,9 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
     rest of the path (copy to DEST, manifest, both checks) runs for real."""
     import subprocess as subprocess_module
 
-    import streamctl.shard.vllm_engine as vllm_engine
+    import streamctl.shard.engines.vllm_gpu.engine as vllm_engine
+    from streamctl.progress import NULL_PROGRESS
+    from streamctl.shard.run import run_shard
 
     config, hf = write_model(tmp_path / "hf", "qwen2")
     commands: list[list[str]] = []
@@ -239,11 +241,12 @@ def test_vllm_engine_path_copies_checks_and_records_vllms_files(
         return subprocess_module.CompletedProcess(command, 0, "", "")
 
     monkeypatch.setattr(vllm_engine, "check_vllm_engine_available", lambda: None)
-    result = vllm_engine.shard_with_vllm(
+    result = run_shard(
         open_location(str(tmp_path / "hf")),
         open_location(str(tmp_path / "out")),
         ShardOptions(2, engine="vllm-gpu"),
-        runner=fake_vllm,
+        NULL_PROGRESS,
+        vllm_engine.VllmGpuEngine(fake_vllm),
     )
     script = Path(commands[0][-2])
     assert json.loads(commands[0][-1])["tensor_parallel_size"] == 2 and "save_sharded_state" in script.read_text()

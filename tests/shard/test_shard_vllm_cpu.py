@@ -30,10 +30,10 @@ from slowproxy import SlowProxy
 from streamctl import output
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.errors import EngineFailed, UsageError
+from streamctl.shard.engines.vllm_cpu.client import VllmWorker, start_worker
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.result import ShardCheckFailed, ShardResult
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_worker import VllmWorker, start_worker
 from streamctl.storage import open_location
 from streamctl.storage.url import resolve_source_url
 
@@ -518,7 +518,7 @@ def test_the_workers_reads_are_answered_in_blocks_read_ahead(tmp_path: Path) -> 
     a file shorter than its header says is an IntegrityError, not short data."""
     from streamctl.errors import IntegrityError
     from streamctl.retry import RetryPolicy
-    from streamctl.shard.vllm_cpu_engine import _range_reader
+    from streamctl.shard.engines.vllm_cpu.engine import _range_reader
 
     data = bytes(range(256)) * 100
     (tmp_path / "f.bin").write_bytes(data)
@@ -549,7 +549,7 @@ def test_the_tensor_pipe_is_widened_to_a_mebibyte(tmp_path: Path, monkeypatch: p
     """Weights cross the worker's stdout pipe: 1 MiB of pipe, not Linux's 64 KiB default (16x fewer wake-ups)."""
     import fcntl
 
-    from streamctl.shard.vllm_worker import PIPE_SIZE
+    from streamctl.shard.engines.vllm_cpu.client import PIPE_SIZE
 
     worker = hostile_worker(tmp_path, "die", monkeypatch)
     try:

@@ -4,7 +4,7 @@ pack-quantized (W4A16), judged by vLLM 0.33 itself.
 The tiny Llama (tests/vllm_oracle/tiny_hf_models.py `llama-int4`, quantized by quantize_int4.py) has sizes
 vLLM's CPU int4 kernel refuses ("Output size (80)", at TP 2 "(48) not supported by CPUWNA16": it wants every
 rank's input and output a multiple of 32). The worker builds those layers with each method's own
-`create_weights` and a build-only kernel (streamctl/shard/vllm_shims.py), which the result names. vLLM's own
+`create_weights` and a build-only kernel (streamctl/shard/engines/vllm_cpu/shims.py), which the result names. vLLM's own
 ShardedStateLoader (tests/vllm_oracle/check_sharded.py, Run:ai streamer) then loads every rank's files into a
 NaN-filled model: equal to vLLM's own load of the HF checkpoint, and, read back from what that loader
 loaded, equal to this file's own split of the source tensors (numpy, the methods' published layouts). Sizes

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.timeout(120)
 
 STANDIN = r"""
 import hashlib, json, os, signal, sys, threading, time
-from streamctl.shard.vllm_protocol import write_frame
+from streamctl.shard.engines.vllm_cpu.protocol import write_frame
 try:
-    from streamctl.shard.vllm_protocol import HEARTBEAT, start_lifeline
+    from streamctl.shard.engines.vllm_cpu.protocol import HEARTBEAT, start_lifeline
 except ImportError:  # a streamctl from before the lifeline (to see these tests fail there)
     HEARTBEAT, start_lifeline = {}, lambda send, working: None
 
@@ -113,7 +113,7 @@ def standin_python(folder: Path) -> Path:
     python.parent.mkdir()
     python.write_text(
         "#!/bin/sh\n"
-        'if [ "$2" = "-m" ] && [ "$3" = "streamctl.shard.vllm_cpu_worker" ]; then\n'
+        'if [ "$2" = "-m" ] && [ "$3" = "streamctl.shard.engines.vllm_cpu.worker" ]; then\n'
         f'  PYTHONPATH="{folder}:$PYTHONPATH" exec {sys.executable} -P -m standin_worker\n'
         "fi\n"
         f'PYTHONPATH={folder / "site"} exec {sys.executable} "$@"\n'
@@ -240,7 +240,7 @@ def test_a_worker_whose_parent_is_gone_before_it_asked_the_kernel_ends_itself(tm
     (tmp_path / "state").mkdir()
     started = time.monotonic()
     worker = subprocess.run(
-        [str(tmp_path / "standin" / "bin" / "python"), "-P", "-m", "streamctl.shard.vllm_cpu_worker"],
+        [str(tmp_path / "standin" / "bin" / "python"), "-P", "-m", "streamctl.shard.engines.vllm_cpu.worker"],
         env={**os.environ, "STANDIN_STATE": str(tmp_path / "state"), "STANDIN_MODE": "ok",
              "STREAMCTL_ENGINE_PARENT_PID": str(gone.pid)},
         stdin=subprocess.PIPE, capture_output=True, timeout=30, check=False,

@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 
 from oracle import requires_vllm_oracle, write_tiny_hf_models
+from streamctl.shard.engines.vllm_cpu.client import VllmWorker
+from streamctl.shard.engines.vllm_cpu.worker_channel import INFLIGHT_BYTES
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
-from streamctl.shard.vllm_worker import VllmWorker
-from streamctl.shard.vllm_worker_channel import INFLIGHT_BYTES
 from streamctl.storage import open_location
 from vllm_cpu_helpers import SharedWorker
 

@@ -1,4 +1,4 @@
-"""streamctl/shard/vllm_compat.py: the vLLM releases the vllm-cpu worker supports and its start-up check of
+"""streamctl/shard/engines/vllm_cpu/compat.py: the vLLM releases the vllm-cpu worker supports and its start-up check of
 every private touch point, on a stand-in vLLM module tree (no vLLM here), and the worker's refusal of an
 unsupported vLLM reaching the user as one line (a stand-in environment whose vllm is 0.35.0)."""
 
@@ -17,11 +17,11 @@ import pytest
 
 from cli_helpers import run_cli
 from shard_models import write_model
-from streamctl.shard import vllm_compat
-from streamctl.shard.vllm_compat import SUPPORTED, TOUCH_POINTS, TouchPoint, VllmMoved, check_touch_points
-from streamctl.shard.vllm_protocol import PROTOCOL_VERSION, read_header, write_frame
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu.compat import SUPPORTED, TOUCH_POINTS, TouchPoint, VllmMoved, check_touch_points
+from streamctl.shard.engines.vllm_cpu.protocol import PROTOCOL_VERSION, read_header, write_frame
 
-CLI_DIR = Path(vllm_compat.__file__).resolve().parents[2]
+CLI_DIR = Path(vllm_compat.__file__).resolve().parents[4]
 
 
 def stand_in(point: TouchPoint) -> Any:
@@ -175,7 +175,7 @@ def test_the_worker_answers_every_request_with_the_refusal(tmp_path: Path) -> No
     python = unsupported_vllm_python(tmp_path / "env")
     env = {**os.environ, "PYTHONPATH": str(CLI_DIR), "STREAMCTL_ENGINE_HEARTBEAT_S": "5"}
     process = subprocess.Popen(
-        [str(python), "-P", "-m", "streamctl.shard.vllm_cpu_worker"],
+        [str(python), "-P", "-m", "streamctl.shard.engines.vllm_cpu.worker"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

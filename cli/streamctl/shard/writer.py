@@ -35,8 +35,21 @@ from streamctl.shard.plan import (
     skipped_files,
     stage_files,
 )
-from streamctl.shard.result import WrittenFile
 from streamctl.storage.base import Location, MultipartUpload, PositionalWrite
+
+
+@dataclass(frozen=True)
+class WrittenFile:
+    """A rank file written (or kept by a re-run) under its final name."""
+
+    path: str
+    pp_rank: int
+    tp_rank: int
+    part: int
+    size: int
+    sha256: str
+    tensors: tuple[tuple[str, str, tuple[int, ...]], ...]  # (name, dtype, shape) in file order
+
 
 READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 

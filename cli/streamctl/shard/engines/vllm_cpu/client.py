@@ -1,5 +1,5 @@
-"""The parent's side of `--engine vllm-cpu`'s worker (shard/vllm_cpu_worker.py, run by the vLLM environment's
-Python): start it, exchange the frames of shard/vllm_protocol.py, answer its "read" frames, stop it.
+"""The parent's side of `--engine vllm-cpu`'s worker (shard/engines/vllm_cpu/worker.py, run by the vLLM environment's
+Python): start it, exchange the frames of shard/engines/vllm_cpu/protocol.py, answer its "read" frames, stop it.
 
 One worker serves any number of shard runs one after another (vLLM's import costs ~6-10 s): `start_worker`
 once, pass it to each `shard_checkpoint(..., worker=...)`, `close()` at the end. A run interrupted in the
@@ -27,7 +27,7 @@ from typing import IO, Any
 from streamctl.errors import EngineFailed, StreamctlError, UsageError
 from streamctl.oserrors import mapped
 from streamctl.progress import NULL_PROGRESS, Progress
-from streamctl.shard.vllm_protocol import (
+from streamctl.shard.engines.vllm_cpu.protocol import (
     DEADLINE_VARIABLE,
     ERROR_KINDS,
     HEARTBEAT_VARIABLE,
@@ -42,10 +42,10 @@ from streamctl.shard.vllm_protocol import (
     write_frame,
 )
 
-WORKER_MODULE = "streamctl.shard.vllm_cpu_worker"
+WORKER_MODULE = "streamctl.shard.engines.vllm_cpu.worker"
 # This streamctl package (cli/streamctl in a checkout, SITE-PACKAGES/streamctl in an install): the worker imports
-# vllm_protocol, vllm_shims and vllm_wna16 from it, and nothing else of this environment (package_path_folder).
-PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# its protocol, shims and wna16 modules from it, and nothing else of this environment (package_path_folder).
+PACKAGE_DIR = Path(__file__).resolve().parents[3]
 PACKAGE_NAME = __name__.partition(".")[0]
 PATH_FOLDER_PREFIX = "streamctl-worker-path-"
 STDERR_TAIL_LINES = 30  # the worker's last stderr lines, shown when it fails

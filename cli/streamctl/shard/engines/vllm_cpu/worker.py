@@ -1,8 +1,8 @@
 """The `shard --engine vllm-cpu` worker: vLLM's own model code lays out every rank's tensors, on a CPU.
 
-    VLLM_PYTHON -P -m streamctl.shard.vllm_cpu_worker      (PYTHONPATH=<a folder holding streamctl alone>)
+    VLLM_PYTHON -P -m streamctl.shard.engines.vllm_cpu.worker      (PYTHONPATH=<a folder holding streamctl alone>)
 
-stdin/stdout carry the frames of streamctl.shard.vllm_protocol (its docstring is the contract); fd 1 is moved
+stdin/stdout carry the frames of streamctl.shard.engines.vllm_cpu.protocol (its docstring is the contract); fd 1 is moved
 to stderr first, so vLLM's own prints and logs (at WARNING) go to stderr. One process serves any number of
 plan/write/check sequences: vLLM is imported, checked (vllm_compat.startup_check: a release outside its
 SUPPORTED table, or a private touch point that moved, and every request is answered with one "unsupported-vllm"
@@ -10,7 +10,7 @@ error naming what) and initialised once (a one-process gloo world with size-1 TP
 EMULATED (the TP/PP group attributes rewritten, tests/vllm_oracle/_harness.py's recipe) and restored after each
 build, as is VLLM_PP_LAYER_PARTITION.
 
-plan   (vllm_worker_plan.py) `ModelConfig.verify_with_parallel_config` first (vLLM's own refusals, classified
+plan   (worker_plan.py) `ModelConfig.verify_with_parallel_config` first (vLLM's own refusals, classified
        into ERROR_KINDS), then a `meta`-device build (nothing allocated) of every real rank (pp_rank, tp_rank):
        its names, dtypes, shapes in state-dict order after the alias rule of
        `ShardedStateLoader._filter_subtensors` (decided by parameter identity on meta: whole-tensor aliases
@@ -21,20 +21,20 @@ plan   (vllm_worker_plan.py) `ModelConfig.verify_with_parallel_config` first (vL
        is written. A model whose vLLM class has no pipeline stages (not SupportsPP: BERT and other encoders)
        cannot be cut into pseudo stages: its names get the layer WHOLE_RANK and each rank is built and loaded
        whole (reply "layerwise": false). A weight-only quantized layer (AWQ, GPTQ, compressed-tensors int4)
-       whose rank share is not whole int32 words or quantization groups is refused here too (vllm_wna16.py).
-write  (vllm_worker_write.py) per part, consecutive names grouped by layer; the layer's HF tensors read once
+       whose rank share is not whole int32 words or quantization groups is refused here too (wna16.py).
+write  (worker_write.py) per part, consecutive names grouped by layer; the layer's HF tensors read once
        and kept for the next group; per TP rank the pseudo stage is built on the CPU, every floating parameter
        NaN-poisoned, loaded by the model's own `load_weights`, `_filter_subtensors`-ed (BEFORE
        process_weights_after_loading: the state the ShardedStateLoader loads) and each tensor streamed as raw
        bytes + sha256. One model alive at a time, gc per layer, gc.freeze after init: peak RSS ~ one layer.
-check  (vllm_worker_check.py) the FULL rank model loaded by vLLM's own ShardedStateLoader from DEST; every
+check  (worker_check.py) the FULL rank model loaded by vLLM's own ShardedStateLoader from DEST; every
        loaded tensor's sha256, before post-processing, must equal what write sent.
 
-Outgoing frames go through one writer thread (vllm_worker_channel.py). One torch thread (OpenMP's spinning
+Outgoing frames go through one writer thread (worker_channel.py). One torch thread (OpenMP's spinning
 workers cost 3-4x the CPU on a busy machine). Each vLLM log message reaches stderr once (OncePerMessage).
-Refusals and the error frame: vllm_worker_errors.py. Build-only stand-ins: vllm_shims.py. Every private vLLM
-access: vllm_compat.py. This module and those import the standard library, torch, vllm and streamctl.shard's
-vllm_* worker modules only.
+Refusals and the error frame: worker_errors.py. Build-only stand-ins: shims.py. Every private vLLM
+access: compat.py. This module and those import the standard library, torch, vllm and this package's
+worker modules only.
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from streamctl.shard import vllm_compat, vllm_shims
-from streamctl.shard.vllm_protocol import HEARTBEAT, ProtocolError, read_header, start_lifeline
-from streamctl.shard.vllm_worker_channel import Channel
-from streamctl.shard.vllm_worker_check import op_check
-from streamctl.shard.vllm_worker_errors import WorkerError, error_frame
-from streamctl.shard.vllm_worker_plan import Plan, op_plan
-from streamctl.shard.vllm_worker_write import op_write
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu import shims as vllm_shims
+from streamctl.shard.engines.vllm_cpu.protocol import HEARTBEAT, ProtocolError, read_header, start_lifeline
+from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
+from streamctl.shard.engines.vllm_cpu.worker_check import op_check
+from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, error_frame
+from streamctl.shard.engines.vllm_cpu.worker_plan import Plan, op_plan
+from streamctl.shard.engines.vllm_cpu.worker_write import op_write
 
 
 def _drain(channel: Channel, header: dict[str, Any]) -> None:

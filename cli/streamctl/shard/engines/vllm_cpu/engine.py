@@ -1,19 +1,19 @@
 """`--engine vllm-cpu`: vLLM's own model classes lay the files out. A worker in a CPU-only vLLM environment
-(shard/vllm_worker.py starts it; shard/vllm_cpu_worker.py is the worker) builds every (pp_rank, tp_rank) one
-decoder layer at a time and streams each tensor's bytes; streamctl plans the files from the worker's plan
-reply (parts by `split_into_parts`, file layout by `stage_files`: the offline writer's rules), writes them
-through the usual part streams (nothing under a final name until all are complete), checks and records them
-as the offline writer does (`shard_with_vllm_cpu`)."""
+(client.py starts it; worker.py is the worker) builds every (pp_rank, tp_rank) one decoder layer at a time
+and streams each tensor's bytes; streamctl plans the files from the worker's plan reply (parts by
+`split_into_parts`, file layout by `stage_files`: the offline writer's rules), writes them through the usual
+part streams (nothing under a final name until all are complete) and checks them (`VllmCpuEngine`);
+`run_shard` records them as every engine's."""
 
 from __future__ import annotations
 
 import tempfile
 import threading
-import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,20 +21,20 @@ from typing import Any
 from streamctl.checkpoint.files import listing_notes, log_notes
 from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
-from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
-from streamctl.dest.lease import Lease, hold_lease
 from streamctl.dest.overlap import check_disjoint
-from streamctl.dest.ownership import remove_files
-from streamctl.dest.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
+from streamctl.dest.uploads import ByteBudget, Cancelled
 from streamctl.errors import EngineFailed, IntegrityError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls, stop_signal
-from streamctl.progress import NULL_PROGRESS, Progress
+from streamctl.progress import Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
 from streamctl.shard.dest import RunKind, check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
-from streamctl.shard.lifecycle import begin_run, is_shard_output, record_result, undo_on_failure
+from streamctl.shard.engine import Checks, EngineRun, Written
+from streamctl.shard.engines.vllm_cpu.checks import LoaderCheckReport, TensorDigests, check_tensor_digests
+from streamctl.shard.engines.vllm_cpu.client import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.plan import (
+    Engine,
     ModelDims,
     PlannedFile,
     PlannedTensor,
@@ -53,10 +53,7 @@ from streamctl.shard.planning import (
     serving_files_to_copy,
     weight_files,
 )
-from streamctl.shard.result import ShardResult, WrittenFile
-from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_tensor_digests
-from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
-from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
+from streamctl.shard.writer import PartStream, WrittenFile, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
 
 
@@ -140,54 +137,6 @@ def _range_reader(source: Location, policy: RetryPolicy, block: int) -> ReadSour
                     future.cancel()
 
     return read
-
-
-def shard_with_vllm_cpu(
-    source: Location,
-    dest: Location,
-    options: ShardOptions,
-    progress: Progress = NULL_PROGRESS,
-    source_id: str | None = None,
-    worker: VllmWorker | None = None,
-) -> ShardResult:
-    """Plan with the worker, take the lease, write, check, record. `worker`: one already started (a caller
-    sharding many models shares one vLLM import); else one is started (and its environment found or made)
-    and stopped at the end. Raises UsageError (exit 2, vLLM's own words) before anything is written when
-    vLLM refuses the checkpoint, EngineFailed when the worker dies or breaks the protocol."""
-    options.validate()
-    started = time.monotonic()
-    tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
-    pattern = options.pattern or default_pattern(pp)
-    validate_pattern(pattern, tp, pp)
-    check_disjoint(source, dest)
-    read = _read_source(source, progress)
-    kind = RunKind(source_id or source.url, "vllm-cpu", tp, pp, pattern)
-    refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force, kind)
-    own = worker is None
-    if worker is None:
-        from streamctl.shard.vllm_env import resolve_vllm_python
-
-        python = resolve_vllm_python(options.vllm_python, options.vllm_version, progress)
-        worker = start_worker(python.path, progress, forward_logs=options.engine_logs)
-    worker.progress, worker.forward_logs = progress, options.engine_logs
-    try:
-        with tempfile.TemporaryDirectory(prefix="streamctl-vllm-cpu-") as folder:
-            read_source = _range_reader(source, options.retry, options.read_block)
-            reply = _ask_plan(worker, source, read, folder, options, read_source)
-            plan = plan_from_reply(reply, read, options, pattern, source_id or source.url, dest.url)
-            _log_plan(reply, options, progress)
-            check_shard_names(dest, output_names(plan))
-            with hold_lease(dest, f"streamctl shard {plan.source}", progress) as lease:
-                plan = plan_dest(dest, plan, options.force)  # planning ran before the lease
-                run = _Run(source, dest, options, progress, worker, read_source, started, lease, read.notes)
-                return run.shard(plan)
-    except BaseException:
-        if worker.busy:  # frames of the interrupted request are still in the pipe
-            worker.kill("a request was interrupted", forward=stop_signal())
-        raise
-    finally:
-        if own:
-            worker.close(forward=stop_signal())
 
 
 def _ask_plan(
@@ -543,47 +492,113 @@ def available_memory() -> int | None:
 
 
 @dataclass(frozen=True)
-class _Run:
-    source: Location
-    dest: Location
-    options: ShardOptions
-    progress: Progress
-    worker: VllmWorker
+class _Planned:
+    """What the engine planned before the lease."""
+
+    plan: ShardPlan
     read_source: ReadSource
-    started: float
-    lease: Lease
-    notes: tuple[ListingNote, ...]
 
-    def shard(self, plan: ShardPlan) -> ShardResult:
-        dest, options, progress = self.lease.fenced(self.dest), self.options, self.progress
-        ours: Callable[[str], bool] = partial(is_shard_output, plan.pattern, plan.serving_files)
-        discarded = discard_unfinished_uploads(dest, ours, progress, self.lease.acquired_at)
-        planned = [file.name for file in plan.files()] + [path for path, _ in plan.serving_files]
-        copied, created = begin_run(self.source, dest, plan, "vllm-cpu", planned, options, progress)
-        write = partial(write_routed, plan, self.worker, dest, options, progress, self.read_source)
-        routed = undo_on_failure(dest, created, progress, write)
-        write_seconds = time.monotonic() - self.started
-        removed = remove_files(dest, plan.stale, progress)
-        # vLLM's loader check runs in the worker while this process runs its own two checks.
-        loader_check_started = self._start_loader_check(plan)
-        verify = check_verify(dest, plan, progress)
-        skipped = tuple(sorted(skipped_files(plan)))
-        digests = check_tensor_digests(
-            dest, plan, routed.digests, options.retry, progress, reused_files=len(skipped), chunk=options.read_block
-        )
+
+class VllmCpuEngine:
+    """Plan with the worker, write what it sends, check with it. `worker`: one already started (a caller
+    sharding many models shares one vLLM import); else one is started (and its environment found or made)
+    and stopped at the end of the run. Its plan raises UsageError (exit 2, vLLM's own words) before anything
+    is written when vLLM refuses the checkpoint; EngineFailed when the worker dies or breaks the protocol."""
+
+    name: Engine = "vllm-cpu"
+    plans_rank_files = True
+
+    def __init__(self, worker: VllmWorker | None = None) -> None:
+        self._worker = worker
+        self._own = worker is None
+        self._folder = ""
+        self._planned: _Planned | None = None
+        self._routed: RoutedWrite | None = None
+
+    @contextmanager
+    def session(self) -> Iterator[None]:
+        """A temporary folder (vLLM's copy of a remote SOURCE's config); at the end, the worker stopped if
+        the run started it, killed if a request was interrupted (its frames are still in the pipe)."""
+        try:
+            with tempfile.TemporaryDirectory(prefix="streamctl-vllm-cpu-") as folder:
+                self._folder = folder
+                yield
+        except BaseException:
+            if self._worker is not None and self._worker.busy:
+                self._worker.kill("a request was interrupted", forward=stop_signal())
+            raise
+        finally:
+            if self._own and self._worker is not None:
+                self._worker.close(forward=stop_signal())
+
+    def plan(self, run: EngineRun) -> tuple[ListingNote, ...]:
+        source, dest, options, progress = run.source, run.dest, run.options, run.progress
+        tp, pp = options.tensor_parallel_size, options.pipeline_parallel_size
+        pattern = options.file_pattern()
+        check_disjoint(source, dest)
+        read = _read_source(source, progress)
+        kind = RunKind(run.source_label, "vllm-cpu", tp, pp, pattern)
+        refuse_unusable_dest_early(dest, pattern, {path for path, _ in read.serving}, options.force, kind)
+        worker = self._start_worker(options, progress)
+        read_source = _range_reader(source, options.retry, options.read_block)
+        reply = _ask_plan(worker, source, read, self._folder, options, read_source)
+        plan = plan_from_reply(reply, read, options, pattern, run.source_label, dest.url)
+        _log_plan(reply, options, progress)
+        check_shard_names(dest, output_names(plan))
+        self._planned = _Planned(plan, read_source)
+        return read.notes
+
+    def plan_dest(self, run: EngineRun) -> ShardPlan:
+        return plan_dest(run.dest, self._plan().plan, run.options.force)
+
+    def write(self, run: EngineRun, plan: ShardPlan) -> Written:
+        worker, read_source = self._running(), self._plan().read_source
+        routed = write_routed(plan, worker, run.dest, run.options, run.progress, read_source)
+        self._routed = routed
         report = {key: routed.report.get(key) for key in ("seconds", "peak_rss_mib", "kept_construction_value")}
-        result = ShardResult(
-            plan, "vllm-cpu", routed.files, copied, removed, routed.bytes_written, time.monotonic() - self.started,
-            write_seconds, verify, None, discarded, self.notes, skipped,
-            tensor_check=digests, engine_report=report,
-            loader_check=self._loader_check(routed) if loader_check_started else None,
-        )  # fmt: skip
-        return record_result(dest, replace(result, seconds=time.monotonic() - self.started), self.lease)
+        return Written(routed.files, routed.bytes_written, report)
 
-    def _start_loader_check(self, plan: ShardPlan) -> bool:
+    def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:
+        """vLLM's loader check runs in the worker while this process runs its own two checks."""
+        dest, options, progress = run.dest, run.options, run.progress
+        assert self._routed is not None
+        loader_check_started = self._start_loader_check(dest, plan)
+        verify = check_verify(dest, plan, progress)
+        digests = check_tensor_digests(
+            dest,
+            plan,
+            self._routed.digests,
+            options.retry,
+            progress,
+            reused_files=len(skipped_files(plan)),
+            chunk=options.read_block,
+        )
+        loader = self._loader_check(self._routed) if loader_check_started else None
+        return Checks(verify, None, digests, loader)
+
+    def _start_worker(self, options: ShardOptions, progress: Progress) -> VllmWorker:
+        if self._worker is None:
+            from streamctl.shard.engines.vllm_cpu.env import resolve_vllm_python
+
+            python = resolve_vllm_python(options.vllm_python, options.vllm_version, progress)
+            self._worker = start_worker(python.path, progress, forward_logs=options.engine_logs)
+        self._worker.progress, self._worker.forward_logs = progress, options.engine_logs
+        return self._worker
+
+    def _running(self) -> VllmWorker:
+        if self._worker is None:
+            raise RuntimeError("the vllm-cpu engine's worker is not started (plan first)")
+        return self._worker
+
+    def _plan(self) -> _Planned:
+        if self._planned is None:
+            raise RuntimeError("the vllm-cpu engine has not planned yet")
+        return self._planned
+
+    def _start_loader_check(self, dest: Location, plan: ShardPlan) -> bool:
         """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only);
         ranks that would take more than half the memory available now are skipped by the worker."""
-        folder = local_path(self.dest)
+        folder = local_path(dest)
         if folder is None:
             return False
         memory = available_memory()
@@ -593,12 +608,13 @@ class _Run:
             "pattern": plan.pattern,
             "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
         }
-        self.worker.request(request)
+        self._running().request(request)
         return True
 
     def _loader_check(self, routed: RoutedWrite) -> LoaderCheckReport:
         """The worker's answer to `_start_loader_check`."""
-        frame = self.worker.receive(self.read_source)
+        worker = self._running()
+        frame = worker.receive(self._plan().read_source)
         if frame.get("type") != "checked":
-            raise self.worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")
+            raise worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")
         return LoaderCheckReport.from_frame(frame, {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in routed.digests})

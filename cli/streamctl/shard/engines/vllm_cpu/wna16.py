@@ -17,7 +17,7 @@ from __future__ import annotations
 from fractions import Fraction
 from typing import Any
 
-from streamctl.shard.vllm_shims import mp_kernel_of
+from streamctl.shard.engines.vllm_cpu.shims import mp_kernel_of
 
 
 def _number(value: Any) -> int | Fraction:

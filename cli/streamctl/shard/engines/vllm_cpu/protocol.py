@@ -1,7 +1,7 @@
 """The pipe protocol between `shard --engine vllm-cpu` (the parent: streamctl's own Python) and its worker
-(shard/vllm_cpu_worker.py, run by the vLLM environment's Python). Standard library only: both sides import it
-(the worker runs as `VLLM_PYTHON -P -m streamctl.shard.vllm_cpu_worker` with a folder holding this streamctl
-package alone on PYTHONPATH: shard/vllm_worker.py's package_path_folder).
+(shard/engines/vllm_cpu/worker.py, run by the vLLM environment's Python). Standard library only: both sides import it
+(the worker runs as `VLLM_PYTHON -P -m streamctl.shard.engines.vllm_cpu.worker` with a folder holding this streamctl
+package alone on PYTHONPATH: shard/engines/vllm_cpu/client.py's package_path_folder).
 
 Every message is a FRAME: one JSON object on one line (UTF-8, ending in b"\\n"), then exactly `nbytes` raw
 bytes when the object has a positive "nbytes" field. The parent writes frames to the worker's stdin; the worker

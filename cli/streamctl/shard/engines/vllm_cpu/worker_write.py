@@ -2,7 +2,7 @@
 (memory-mapped from local_root, or "read" frames answered by the parent) and kept for the next group; per TP
 rank the pseudo stage built on the CPU, NaN-poisoned, loaded by the model's own `load_weights`, filtered as
 vLLM's ShardedStateLoader filters (before process_weights_after_loading) and each tensor streamed. vLLM's
-internals through streamctl/shard/vllm_compat.py only."""
+internals through streamctl/shard/engines/vllm_cpu/compat.py only."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamctl.shard import vllm_compat
-from streamctl.shard.vllm_compat import emulate_rank, pp_partition
-from streamctl.shard.vllm_worker_channel import Channel
-from streamctl.shard.vllm_worker_errors import WorkerError, one_line
-from streamctl.shard.vllm_worker_plan import (
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
+from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
+from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
+from streamctl.shard.engines.vllm_cpu.worker_plan import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
     WHOLE_RANK,

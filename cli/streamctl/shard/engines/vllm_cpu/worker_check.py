@@ -8,12 +8,12 @@ import gc
 import hashlib
 from typing import Any
 
-from streamctl.shard import vllm_compat
-from streamctl.shard.vllm_compat import emulate_rank, pp_partition
-from streamctl.shard.vllm_worker_channel import Channel
-from streamctl.shard.vllm_worker_errors import WorkerError, one_line
-from streamctl.shard.vllm_worker_plan import SAFETENSORS_DTYPES, Plan, PlannedTensor, make_vllm_config
-from streamctl.shard.vllm_worker_write import peak_rss_mib, raw_bytes, release_weights
+from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
+from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
+from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
+from streamctl.shard.engines.vllm_cpu.worker_plan import SAFETENSORS_DTYPES, Plan, PlannedTensor, make_vllm_config
+from streamctl.shard.engines.vllm_cpu.worker_write import peak_rss_mib, raw_bytes, release_weights
 
 
 def check_loader() -> str:

@@ -16,10 +16,10 @@ What the worker needs of vLLM's internals, and why:
   the id(model)-keyed cache of PP-missing layers emptied after each build (`forget_freed_models`);
 - sub-tensor filtering: ShardedStateLoader._filter_subtensors, the state the sharded loader saves and loads;
 - registry internals: the model-class inspection moved from a subprocess into this one (`inspect_in_process`),
-  so it sees the build-only stand-ins (shard/vllm_shims.py);
+  so it sees the build-only stand-ins (shard/engines/vllm_cpu/shims.py);
 - the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`) and the list of
   mixed-precision linear kernels the build-only int4 kernel joins (`cpu_mp_kernels`). The int4 split rules
-  (shard/vllm_wna16.py) read public attributes of vLLM's parameters and kernels only.
+  (shard/engines/vllm_cpu/wna16.py) read public attributes of vLLM's parameters and kernels only.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def filter_subtensors(state: dict[str, Any]) -> dict[str, Any]:
     return filtered
 
 
-# --- what the build-only stand-ins (shard/vllm_shims.py) hook into ------------------------------------------
+# --- what the build-only stand-ins (shard/engines/vllm_cpu/shims.py) hook into ------------------------------------------
 
 
 def inspect_in_process() -> None:

@@ -92,7 +92,7 @@ _UNREACHABLE = (
 
 @dataclass(frozen=True)
 class VllmPython:
-    """The Python of a vLLM environment: run the worker as `path -P -m streamctl.shard.vllm_cpu_worker`."""
+    """The Python of a vLLM environment: run the worker as `path -P -m streamctl.shard.engines.vllm_cpu.worker`."""
 
     path: str
     version: str  # vllm's version as its package metadata says, e.g. "0.33.0"

@@ -7,8 +7,8 @@ import re
 import traceback
 from typing import Any
 
-from streamctl.shard.vllm_compat import VllmMoved
-from streamctl.shard.vllm_protocol import ERROR_KINDS, UNSUPPORTED_VLLM, ProtocolError
+from streamctl.shard.engines.vllm_cpu.compat import VllmMoved
+from streamctl.shard.engines.vllm_cpu.protocol import ERROR_KINDS, UNSUPPORTED_VLLM, ProtocolError
 
 FP8_BLOCK_MISSING = (
     "vLLM's CPU FP8 block kernel needs AMX tiles (Sapphire Rapids or newer) and vllm._C's fp8_scaled_mm_cpu, "
