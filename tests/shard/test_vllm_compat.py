@@ -17,6 +17,7 @@ import pytest
 
 from cli_helpers import run_cli
 from shard_models import write_model
+from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, TESTED_VLLM_VERSIONS, default_vllm_version, parse_version
 from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import SUPPORTED, TOUCH_POINTS, TouchPoint, VllmMoved, check_touch_points
 from streamctl.shard.engines.vllm_cpu.protocol import PROTOCOL_VERSION, read_header, write_frame
@@ -92,6 +93,13 @@ def test_the_supported_releases_are_0_33_and_0_34_with_what_differs() -> None:
         "0.33",
         "dev",
     ]
+
+
+def test_the_tested_releases_are_the_supported_ones_newest_first_and_the_default() -> None:
+    """One list of tested versions (checkpoint/vllm_layouts.py) and the worker's table name the same releases."""
+    assert sorted(vllm_compat.release_of(v) for v in TESTED_VLLM_VERSIONS) == sorted(SUPPORTED)
+    assert list(TESTED_VLLM_VERSIONS) == sorted(TESTED_VLLM_VERSIONS, key=parse_version, reverse=True)
+    assert default_vllm_version() == TESTED_VLLM_VERSIONS[0] == LAYOUT_ROWS[0].read_in
 
 
 def test_a_complete_tree_of_a_supported_release_passes(monkeypatch: pytest.MonkeyPatch) -> None:

