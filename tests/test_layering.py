@@ -920,13 +920,14 @@ def test_worker_imports_checker_catches_a_library_module_and_a_foreign_package(t
             "shard/__init__.py": "def engines():\n    from streamctl import lease\n",
             "shard/engines/__init__.py": "from streamctl import registry\n",
             "shard/engines/vllm_cpu/__init__.py": "",
-            "shard/engines/vllm_cpu/worker.py": "import json\nimport torch\nfrom streamctl import _libc\n"
+            "shard/engines/vllm_cpu/worker.py": "import json\nimport torch\nfrom streamctl.common import libc\n"
             "from streamctl.shard.engines.vllm_cpu import worker_plan\n",
             "shard/engines/vllm_cpu/worker_plan.py": "def plan():\n    import numpy\n    from streamctl import errors\n",
             "errors.py": "import os\n",
             "lease.py": "import os\n",
             "registry.py": "import os\n",
-            "_libc.py": "import ctypes\n",
+            "common/__init__.py": "",
+            "common/libc.py": "import ctypes\n",
         },
     )
     assert check_worker_imports(modules) == [
@@ -1075,13 +1076,14 @@ def test_engine_imports_checker_catches_the_lifecycle_and_another_engine(tmp_pat
     modules = synthetic(
         tmp_path,
         {
-            "lease.py": "",
+            "dest/__init__.py": "",
+            "dest/lease.py": "",
             "shard/__init__.py": "",
             "shard/plan.py": "",
             "shard/engines/__init__.py": "",
             "shard/engines/a/__init__.py": "",
             "shard/engines/a/engine.py": "from streamctl.shard.plan import P\nfrom streamctl.shard.engines.a import x\n"
-            "from streamctl.checkpoint.files import N\nimport json\ndef f():\n    from streamctl import lease\n",
+            "from streamctl.checkpoint.files import N\nimport json\ndef f():\n    from streamctl.dest import lease\n",
             "shard/engines/a/x.py": "from streamctl.shard.engines.b.engine import B\nfrom streamctl.shard import engines\n",
             "shard/engines/b/__init__.py": "",
             "shard/engines/b/engine.py": "from streamctl.shard.result import R\n",
