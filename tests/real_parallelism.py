@@ -80,8 +80,9 @@ class Run:
 
 
 def generate(runs: Sequence[Run], tp: int, pp: int = 1, prompts: Sequence[Sequence[int]] = PROMPTS) -> dict[str, Any]:
-    """Every run's greedy outputs (tokens, top-5 logprobs per step) from ONE judge process, one LLM per run.
-    {"ok", "runs": [{"model", "load_format", "seconds", "outputs"}], "error"}"""
+    """Every run's greedy outputs (tokens, top-5 logprobs per step) from ONE judge process, one LLM per run
+    (vLLM's import, tens of seconds here, is paid once): {"ok", "runs": [{"model", "load_format", "seconds",
+    "error", "outputs"}]}, in the order given."""
     spec = {
         "runs": [{"model": str(run.model), "load_format": run.load_format} for run in runs],
         "tp": tp,

@@ -17,7 +17,19 @@ import tiny_hf_models  # the oracle's architectures, written the same way
 HEAD_DIM = 32
 TWO_HEADS: dict[str, Any] = {"num_attention_heads": 2, "head_dim": HEAD_DIM}  # hidden 64 = 2 x 32
 # What changes per kind (on the config, or on its text_config for the multimodal ones). Those not listed
-# keep the oracle's sizes: Mamba has no attention; DeepSeek's MLA heads are 16 + 16 (nope + rope) wide.
+# keep the oracle's sizes (Mamba has no attention).
+# MLA's latent head (kv_lora_rank + qk_rope_head_dim) must be 512 + 64 = 576 wide: the one size vLLM's CPU
+# MLA decode kernel is built for (cpu_mla.py; at the oracle's 32 + 16, "Head dimension 48 is not supported
+# by MLA"; at 256 + 64, "Unsupported block size: 16" from the kernel). head_dim and qk_head_dim are the
+# fields transformers derives from these at construction.
+MLA: dict[str, Any] = {
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "qk_head_dim": 96,
+    "head_dim": 64,
+}
 TWO_HEAD_KINDS = ("llama", "mistral", "qwen2", "mixtral", "qwen2-moe", "starcoder2", "olmoe", "phimoe", "granitemoe")
 HEAD_DIM_KINDS = ("qwen3", "qwen3-moe", "gemma2", "gemma3-text", "gemma", "gpt-oss", "qwen3-next")
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -28,6 +40,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "falcon": {"num_attention_heads": 2, "num_kv_heads": 2},
     "gptneox": {"num_attention_heads": 2},
     "gemma3-mm": {"head_dim": HEAD_DIM},
+    **{kind: {**MLA} for kind in ("deepseek-v2", "deepseek-v3")},
 }
 
 
