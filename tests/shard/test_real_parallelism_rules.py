@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from real_parallelism import differences
+import real_parallelism
+from real_parallelism import Run, differences, generate
 from shard.test_real_parallelism import FAMILY_CASES, MATRIX_KINDS, Case, chosen_cases
 
 
@@ -45,3 +48,22 @@ def test_the_cases_ci_runs_are_one_per_family_and_the_matrix_is_every_row() -> N
     assert chosen_cases("gemma2, phi3") == (Case("gemma2", 2), Case("phi3", 2))
     with pytest.raises(AssertionError, match="unknown kinds \\['bloomz'\\]"):
         chosen_cases("bloomz")
+
+
+def test_a_judge_that_times_out_keeps_the_runs_it_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    finished = {"model": "a", "load_format": "auto", "seconds": 1.0, "error": None, "outputs": [{"token_ids": [1]}]}
+    judge = tmp_path / "python"  # answers its first run, then hangs in its second
+    judge.write_text(f"#!/bin/sh\necho '{json.dumps(finished)}'\nexec sleep 60\n")
+    judge.chmod(0o755)
+    monkeypatch.setenv(real_parallelism.ENV_VAR, str(judge))
+    monkeypatch.setattr(real_parallelism, "START_TIMEOUT_S", 0)
+    monkeypatch.setattr(real_parallelism, "LLM_TIMEOUT_S", 1)
+    answer = generate([Run(Path("a"), "auto"), Run(Path("b"), "sharded_state")], tp=2)
+    assert answer["ok"] is False
+    assert answer["runs"][0] == finished
+    assert answer["runs"][1] == {
+        "model": "b",
+        "load_format": "sharded_state",
+        "outputs": [],
+        "error": "timed out after 2 s",
+    }

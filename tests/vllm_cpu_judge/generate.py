@@ -5,8 +5,8 @@ to its own core.
     generate.py SPEC_JSON     # {"runs": [{"model", "load_format"}], "tp", "pp", "dtype", "prompts",
                               #  "max_tokens", "logprobs", "max_model_len"}
 
-Prints ONE JSON document on stdout: {"ok", "runs": [{"model", "load_format", "seconds", "error", "outputs":
-[{"token_ids", "logprobs": [{token_id: logprob}]}]}]}. Each run is its own LLM, started and shut down in
+Prints one JSON line per run on stdout AS IT FINISHES (a caller that times out keeps the runs done):
+{"model", "load_format", "seconds", "error", "outputs": [{"token_ids", "logprobs": [{token_id: logprob}]}]}. Each run is its own LLM, started and shut down in
 turn in this one process (vLLM's import is paid once); a run vLLM refuses has its "error" (the exception's
 last line, and "traceback") and the next run goes on. Prompts are token ids: the tiny random models
 have no tokenizer (`skip_tokenizer_init`).
@@ -73,17 +73,17 @@ def main() -> int:
     real_stdout = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # vLLM logs to stdout: keep it for the one JSON document
     sys.stdout = sys.stderr
-    runs: list[dict[str, Any]] = []
+    failed = 0
     for run in spec["runs"]:
         try:
-            runs.append({**one_run(spec, run), "error": None})
+            answer = {**one_run(spec, run), "error": None}
         except Exception as error:  # noqa: BLE001 -- the answer says what vLLM refused
             message = f"{type(error).__name__}: {error}".strip().splitlines()[-1][:500]
-            runs.append({**run, "error": message, "traceback": traceback.format_exc()[-6000:], "outputs": []})
-    document = {"ok": all(run["error"] is None for run in runs), "runs": runs}
-    real_stdout.write(json.dumps(document) + "\n")
-    real_stdout.flush()
-    return 0 if document["ok"] else 1
+            answer = {**run, "error": message, "traceback": traceback.format_exc()[-6000:], "outputs": []}
+            failed += 1
+        real_stdout.write(json.dumps(answer) + "\n")
+        real_stdout.flush()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
