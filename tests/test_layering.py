@@ -680,7 +680,7 @@ WORKER_ENTRY = "streamctl.shard.vllm_cpu_worker"
 WORKER_THIRD_PARTY = ("torch", "vllm", "safetensors", "runai_model_streamer")
 # The streamctl modules outside shard/vllm_* it may reach: the packages, and the libc helper vllm_protocol's
 # lifeline uses (PR_SET_PDEATHSIG; standard library only).
-WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl._libc")
+WORKER_STREAMCTL = ("streamctl", "streamctl.shard", "streamctl.common.libc")
 VLLM_COMPAT = "streamctl.shard.vllm_compat"
 # The vLLM module paths the rest of the package may import: its public API (every other one, and anything of
 # vLLM named with a leading underscore, goes through vllm_compat.py, with its start-up check).

@@ -140,7 +140,7 @@ class ChecksFailed(VerificationFailed):
 
 
 class DestinationBusy(StreamctlError):
-    """Another run holds the DEST's lease and is alive, or took it from this run (see streamctl.lease).
+    """Another run holds the DEST's lease and is alive, or took it from this run (see streamctl.dest.lease).
 
     A code of its own: the remedy is to wait and run again, which a script can tell from bad usage (2) or a
     failing service (6)."""

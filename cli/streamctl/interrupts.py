@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Protocol, TypeVar
 
-from streamctl._libc import keep_unwinder_loaded
+from streamctl.common.libc import keep_unwinder_loaded
 
 T = TypeVar("T")
 

@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from streamctl.common.redact import has_credentials, mask_credentials
 from streamctl.errors import UsageError
 from streamctl.k8s_identity import IdentityOptions, IdentityPlan, identity_plan, static_keys
 from streamctl.k8s_multinode import NodeLayout
@@ -20,7 +21,6 @@ from streamctl.k8s_names import (
     derived_name,
     place_annotations,
 )
-from streamctl.redact import has_credentials, mask_credentials
 from streamctl.serve.plan import CheckpointFacts, LaunchPlan, ServeOptions, shell_word, staging_bytes
 from streamctl.serve.vllm_args import secret_values
 from streamctl.storage.schemes import SCHEMES
@@ -225,7 +225,7 @@ def transfer_job(
     azure_account: str | None = None,
 ) -> dict[str, object]:
     """A Job that runs `streamctl transfer SOURCE DEST ARGUMENTS` in the cluster, next to the bucket; with
-    `parallelism` N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.shares).
+    `parallelism` N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.dest.shares).
     Its name is derived from the places it copies between (k8s_names.derived_name: both locations, a Hub
     SOURCE with `revision`, S3 with `endpoint`, Azure with `azure_account`, as among ARGUMENTS), which its
     annotations hold.

@@ -17,7 +17,7 @@ its expiry) learns so at its next renewal and stops, and it renews once more rig
 manifest: after a renewal no other run can take the lease for `ttl_s`, so a manifest is only ever written
 by the lease's holder.
 
-`transfer --worker K/N` runs (streamctl.shares) write one DEST together: each holds its own lease,
+`transfer --worker K/N` runs (streamctl.dest.shares) write one DEST together: each holds its own lease,
 LEASE_NAME + ".worker-K-of-N", with the same semantics, so two runs of one share exclude each other. A
 whole-DEST run and worker runs exclude each other too, as do workers of different counts N: each run takes
 its own lease first, then looks for a live lease it conflicts with, and if it finds one it releases its own
@@ -43,10 +43,10 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from streamctl.dest.shares import Worker
 from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, StreamctlError, UsageError
 from streamctl.interrupts import shielded_calls
 from streamctl.progress import Progress
-from streamctl.shares import Worker
 from streamctl.storage.base import LEASE_NAME, Location, MultipartUpload, ObjectInfo, Store
 
 DEFAULT_TTL_S = 120.0

@@ -22,8 +22,8 @@ from typing import Any, ClassVar, TypeVar
 
 from streamctl import __version__
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
+from streamctl.dest.uploads import SHA256_KEY
 from streamctl.storage.base import Location
-from streamctl.uploads import SHA256_KEY
 
 MANIFEST_NAMES = (MANIFEST_NAME, SHARD_MANIFEST_NAME)
 MAX_MANIFEST_BYTES = 100_000_000  # shard manifests list every tensor of every rank

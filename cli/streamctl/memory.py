@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamctl._libc import libc
+from streamctl.common.libc import libc
 
 _M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
 _M_MMAP_THRESHOLD = -3

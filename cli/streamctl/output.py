@@ -32,10 +32,10 @@ from rich.markup import escape
 from rich.text import Text
 
 from streamctl import sdklogging
+from streamctl.common.redact import for_display, mask_credentials
+from streamctl.common.words import plural
 from streamctl.errors import ChecksFailed, StreamctlError
 from streamctl.progress import NULL_PROGRESS, Progress
-from streamctl.redact import for_display, mask_credentials
-from streamctl.words import plural
 
 if TYPE_CHECKING:
     from rich.progress import Progress as RichProgressBars

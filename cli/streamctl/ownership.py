@@ -7,7 +7,7 @@ manifests, or when it matches the running command's own output (its rank pattern
 is left alone and listed as such. Removal happens only after the new files are complete, so an interrupted
 run never leaves DEST with less than it had.
 
-SOURCE and DEST never overlap (streamctl.locations.check_disjoint runs first), so no file removed here
+SOURCE and DEST never overlap (streamctl.dest.overlap.check_disjoint runs first), so no file removed here
 can be one the run reads.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
+from streamctl.dest.manifests import DestManifests, Manifest, ShardManifest
 from streamctl.errors import StreamctlError
-from streamctl.manifests import DestManifests, Manifest, ShardManifest
 from streamctl.progress import Progress
 from streamctl.storage.base import ListingNote, Location, is_safe_relative_path
 

@@ -20,8 +20,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, UsageError
-from streamctl.manifests import (
+from streamctl.dest.manifests import (
     FileEntry,
     TransferManifest,
     Workers,
@@ -30,6 +29,7 @@ from streamctl.manifests import (
     manifest_body,
     parse_manifest,
 )
+from streamctl.errors import DestinationBusy, NotFoundError, PreconditionFailed, UsageError
 from streamctl.storage.base import Location
 
 MAX_WORKERS = 10_000  # a Kubernetes Indexed Job allows up to 100,000 completions; far beyond any model's files
@@ -84,7 +84,7 @@ def plan_digest(source: str, commit: str | None, files: Sequence[tuple[str, int]
 
 def manifest_incomplete(manifest: TransferManifest) -> str | None:
     """Why a transfer manifest does not describe a finished copy (None when it does, see
-    streamctl.manifests.is_complete): only `--worker` runs write `"complete": false`."""
+    streamctl.dest.manifests.is_complete): only `--worker` runs write `"complete": false`."""
     if is_complete(manifest):
         return None
     workers = manifest.workers
@@ -197,7 +197,7 @@ def _merged(
         complete=record.complete,
         workers=Workers(worker.count, digest, finished),
         # Every file of the plan may be in DEST already (a share killed after some): a later --force sees
-        # them as streamctl's (streamctl.ownership.manifest_paths reads "planned", as for `shard`).
+        # them as streamctl's (streamctl.dest.ownership.manifest_paths reads "planned", as for `shard`).
         planned=None if record.complete else order,
     )
     return manifest.stamped(), record

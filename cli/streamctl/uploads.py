@@ -1,5 +1,5 @@
 """What the writing verbs (transfer, shard) share: the byte budget, part sizing, DEST listing, and the
-discarding of uploads a killed earlier run left unfinished (their manifests: streamctl.manifests)."""
+discarding of uploads a killed earlier run left unfinished (their manifests: streamctl.dest.manifests)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
+from streamctl.common.sizes import binary_size
 from streamctl.errors import NotFoundError, StreamctlError, UsageError
 from streamctl.progress import Progress
-from streamctl.sizes import binary_size
 from streamctl.storage.base import Location, MiB, ObjectInfo, Store
 from streamctl.storage.schemes import SCHEMES
 
@@ -62,7 +62,7 @@ class ByteBudget:
 class PartBuffers:
     """Reusable part buffers, so a part's bytes land in pages already touched: a fresh multi-MiB buffer per
     part costs a page fault and a zeroed page per 4 KiB (large allocations are mmap'd, see
-    streamctl.memory). How many exist is bounded by the ByteBudget their holders took first: a buffer is
+    streamctl.common.memory). How many exist is bounded by the ByteBudget their holders took first: a buffer is
     taken only with a part's share of the budget held, and given back before that share is."""
 
     def __init__(self) -> None:
@@ -162,7 +162,7 @@ def discard_unfinished_uploads(
     them by name relative to DEST): S3 multipart parts and GCS part objects are billed, and local temporary
     files take disk, until someone does. Unfinished uploads of other objects are left alone.
 
-    Called while holding DEST's lease (streamctl.lease), with `started_before` the moment it was taken: an
+    Called while holding DEST's lease (streamctl.dest.lease), with `started_before` the moment it was taken: an
     upload the store dates from before then belongs to a run that no longer holds the lease (killed, or a
     stale holder we took over); one begun since belongs to a live writer and is never touched. Uploads the
     store gives no date for are discarded (under the lease, no live run can own them). One that this run

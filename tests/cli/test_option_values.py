@@ -160,6 +160,6 @@ def test_tp_times_pp_is_bounded(tmp_path: Path) -> None:
     ],
 )
 def test_sizes_still_parse_exactly(text: str, expected: int) -> None:
-    from streamctl.sizes import parse_size
+    from streamctl.common.sizes import parse_size
 
     assert parse_size(text, "--x", 5 << 30) == expected

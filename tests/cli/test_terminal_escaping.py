@@ -10,7 +10,7 @@ import pytest
 
 from checkpoints import TensorSpec, write_serving_files, write_tensor_file
 from cli_helpers import run_cli
-from streamctl.redact import printable
+from streamctl.common.redact import printable
 from streamctl.storage import open_location
 
 # What a terminal acts on, each kind once: clear screen, set title + BEL, C1 CSI, DEL, bidi override, isolate.

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
+from streamctl.common.redact import has_credentials, mask_credentials
 from streamctl.demo import build_demo_checkpoint
-from streamctl.redact import has_credentials, mask_credentials
 from streamctl.storage import open_location
 
 SECRET = "pw-SECRET-9f3a"

@@ -1,4 +1,4 @@
-"""One writer per DEST (streamctl.lease), with real `streamctl transfer` and `shard` processes against a
+"""One writer per DEST (streamctl.dest.lease), with real `streamctl transfer` and `shard` processes against a
 local folder and the three bucket servers: a second run into a DEST another run is writing is refused
 (exit 7, naming the holder) and leaves no trace; a stale lease (dead process, expired heartbeat, SIGKILLed
 run) is taken over; a run paused past its lease's expiry stops instead of mixing DEST.
@@ -25,8 +25,8 @@ import pytest
 from cli_helpers import run_cli
 from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.dest.lease import Holder, LeaseSettings, acquire, hold_lease
 from streamctl.errors import DestinationBusy
-from streamctl.lease import Holder, LeaseSettings, acquire, hold_lease
 from streamctl.progress import NullProgress
 from streamctl.storage import open_location
 from streamctl.storage.base import LEASE_NAME, Location
@@ -347,7 +347,7 @@ def _dead_pid() -> int:
 
 
 def _holder_here(pid: int, now: datetime, expires: datetime) -> Holder:
-    from streamctl.lease import _pid_namespace, _read_text
+    from streamctl.dest.lease import _pid_namespace, _read_text
 
     return Holder("d" * 32, socket.gethostname(), pid, "streamctl transfer old", now - timedelta(minutes=5), now,
                   expires, _read_text("/proc/sys/kernel/random/boot_id"), _pid_namespace())  # fmt: skip

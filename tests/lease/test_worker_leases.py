@@ -1,4 +1,4 @@
-"""Leases of `transfer --worker K/N` runs (streamctl.lease): N workers write one DEST together, each under its
+"""Leases of `transfer --worker K/N` runs (streamctl.dest.lease): N workers write one DEST together, each under its
 own lease; a whole-DEST run and worker runs exclude each other, as do two runs of one share and workers of
 different counts; stale worker leases exclude nobody; the leases never show in a listing."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import run_cli
+from streamctl.dest.lease import Holder, LeaseSettings, acquire, lease_name
+from streamctl.dest.shares import Worker
 from streamctl.errors import DestinationBusy
-from streamctl.lease import Holder, LeaseSettings, acquire, lease_name
 from streamctl.progress import NullProgress
-from streamctl.shares import Worker
 from streamctl.storage import open_location
 from streamctl.storage.base import LEASE_NAME, Location
 

@@ -21,8 +21,8 @@ from cli_helpers import run_cli
 from shard_models import write_model
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.dest.overlap import check_disjoint, relation
 from streamctl.errors import UsageError
-from streamctl.locations import check_disjoint, relation
 from streamctl.shard.plan import ShardOptions
 from streamctl.shard.run import shard_checkpoint
 from streamctl.shard.vllm_engine import shard_with_vllm

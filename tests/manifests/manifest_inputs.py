@@ -1,5 +1,5 @@
 """The inputs of the byte-for-byte manifest tests: what a run hands to the manifest writers, fixed (clock and
-version included), so that the bytes in golden/ (written by the code before streamctl.manifests) can be
+version included), so that the bytes in golden/ (written by the code before streamctl.dest.manifests) can be
 compared with what the writers write today."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from streamctl.ownership import EARLIER_RUN, NOT_STREAMCTL, Cleanup, LeftAlone
+from streamctl.dest.ownership import EARLIER_RUN, NOT_STREAMCTL, Cleanup, LeftAlone
+from streamctl.dest.uploads import CopiedFile
 from streamctl.shard.result import WrittenFile
-from streamctl.uploads import CopiedFile
 
 VERSION = "9.8.7-golden"
 NOW = datetime(2026, 12, 3, 9, 30, 15, 123456, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""streamctl.manifests: DEST's manifests written byte-for-byte as before the types (golden/ holds the bytes the
+"""streamctl.dest.manifests: DEST's manifests written byte-for-byte as before the types (golden/ holds the bytes the
 code before them wrote for the inputs in manifest_inputs.py), one reader for both (missing, wrong-typed and
 extra keys, oversize files) and one completeness rule for both commands."""
 
@@ -12,9 +12,9 @@ from typing import Any, cast
 import manifest_inputs as inputs
 import pytest
 
-import streamctl.manifests as manifests
+import streamctl.dest.manifests as manifests
 from streamctl.checkpoint.files import MANIFEST_NAME, SHARD_MANIFEST_NAME
-from streamctl.manifests import (
+from streamctl.dest.manifests import (
     MAX_MANIFEST_BYTES,
     DestManifests,
     FileEntry,
@@ -26,12 +26,12 @@ from streamctl.manifests import (
     parse_manifest,
     read_dest_manifests,
 )
-from streamctl.ownership import manifest_paths, written_by_streamctl
+from streamctl.dest.ownership import manifest_paths, written_by_streamctl
+from streamctl.dest.shares import ShareFields, Worker, manifest_incomplete, record_share
+from streamctl.dest.uploads import SHA256_KEY
 from streamctl.shard.result import completed_manifest, started_manifest, write_incomplete_manifest
-from streamctl.shares import ShareFields, Worker, manifest_incomplete, record_share
 from streamctl.storage import open_location
 from streamctl.transfer import FilePlan, TransferPlan, transfer_manifest
-from streamctl.uploads import SHA256_KEY
 
 GOLDEN = Path(__file__).parent / "golden"
 

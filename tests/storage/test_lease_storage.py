@@ -2,7 +2,7 @@
 delete_if_version) and upload start times, on every backend: a local folder, S3 (moto), GCS
 (gcp-storage-emulator, patched for ifGenerationMatch: tests/patched_servers.py) and Azure (Azurite).
 
-These are what the DEST lease (streamctl.lease) relies on: of racing writers exactly one wins, and a loser
+These are what the DEST lease (streamctl.dest.lease) relies on: of racing writers exactly one wins, and a loser
 always gets PreconditionFailed, never a silent overwrite.
 """
 
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from streamctl.dest.uploads import discard_unfinished_uploads
 from streamctl.errors import NotFoundError, PreconditionFailed
 from streamctl.progress import NULL_PROGRESS
 from streamctl.storage import Location, StorageOptions, open_location
 from streamctl.storage.base import LEASE_NAME
-from streamctl.uploads import discard_unfinished_uploads
 
 OPTIONS = StorageOptions(max_attempts=2)
 

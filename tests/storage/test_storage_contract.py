@@ -529,7 +529,7 @@ def test_gcs_without_credentials_is_access_denied_naming_the_fix(
 def test_local_writes_start_writeback_best_effort(tmp_path: Path) -> None:
     """The local store asks the kernel to write back as it goes (so completing a multi-GB file does not
     wait on one huge fsync); the call is found on Linux, and a refusal never surfaces as an error."""
-    from streamctl import _libc
+    from streamctl.common import libc as _libc
 
     assert _libc._sync_file_range() is not None
     _libc.start_writeback(-1, 0, 4096)  # EBADF is ignored: writeback is an optimisation, fsync still follows
@@ -547,7 +547,7 @@ def test_unfinished_upload_clean_up_is_best_effort_without_the_permission(
     """Credentials that may write objects but not list multipart uploads (a common least-privilege
     policy) are enough for a run: the clean-up of earlier runs' uploads is skipped with a note, not fatal."""
     from progress_helpers import RecordingProgress
-    from streamctl.uploads import discard_unfinished_uploads
+    from streamctl.dest.uploads import discard_unfinished_uploads
 
     server = storage_servers.s3()
     assert isinstance(server, S3Server)

@@ -20,9 +20,10 @@ from cli_helpers import run_cli
 from slowproxy import SlowProxy
 from streamctl.checkpoint.files import MANIFEST_NAME, select_files
 from streamctl.checkpoint.safetensors import safetensors_bytes
+from streamctl.common.sizes import parse_size
+from streamctl.dest.uploads import PartBuffers, part_size_for
 from streamctl.errors import IntegrityError, NotFoundError, UsageError
 from streamctl.retry import RetryPolicy
-from streamctl.sizes import parse_size
 from streamctl.storage import StorageOptions, open_location
 from streamctl.storage.base import Location
 from streamctl.storage.url import resolve_source_url, source_identity
@@ -31,7 +32,6 @@ from streamctl.transfer import (
     execute_transfer,
     plan_transfer,
 )
-from streamctl.uploads import PartBuffers, part_size_for
 from streamctl.verify.run import verify_checkpoint
 
 MiB = 1024 * 1024

@@ -403,11 +403,11 @@ def test_a_run_that_loses_its_link_keeps_the_parts_sent_for_the_next_run(any_roo
 def test_each_backend_s_part_count_limit_raises_the_part_size(tmp_path: Path) -> None:
     """S3: 10,000 parts; Azure: 50,000 blocks; GCS: 1,024 components (compose takes 32 sources a call, and
     the GCS backend composes in rounds, so the component count is the limit); parts grow in whole MiB."""
+    from streamctl.dest.uploads import part_size_for
     from streamctl.storage.azure import AzureAuth, AzureStore
     from streamctl.storage.gcs import GCSStore
     from streamctl.storage.local import LocalStore
     from streamctl.storage.s3 import S3Settings, S3Store
-    from streamctl.uploads import part_size_for
 
     s3 = S3Store("b", S3Settings(None, "auto", 1))
     azure = AzureStore("c", AzureAuth("connection string", "a"))

@@ -1,4 +1,4 @@
-"""`transfer --worker K/N` (streamctl.shares): N processes copy one model together from the fake hub into one
+"""`transfer --worker K/N` (streamctl.dest.shares): N processes copy one model together from the fake hub into one
 bucket, each its share; every file is written exactly once (counted on the wire, by a proxy in front of the
 S3 server), the manifest is complete only once every share is, and a worker killed mid-way and run again
 ends in the same state."""
@@ -26,7 +26,7 @@ from cli_helpers import run_cli
 from slowproxy import SlowProxy
 from streamctl.checkpoint.files import MANIFEST_NAME
 from streamctl.checkpoint.safetensors import safetensors_bytes
-from streamctl.shares import parse_worker, split_shares
+from streamctl.dest.shares import parse_worker, split_shares
 from streamctl.storage import StorageOptions, open_location
 from streamctl.storage.base import Location, is_lease_name
 
@@ -264,8 +264,8 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
 ) -> None:
     """The conditional create/replace of storage.base: of racing workers each one's share goes in once, and
     exactly one of them sees the manifest complete (that one removes what --force replaces)."""
-    from streamctl.manifests import FileEntry
-    from streamctl.shares import ShareFields, Worker, record_share
+    from streamctl.dest.manifests import FileEntry
+    from streamctl.dest.shares import ShareFields, Worker, record_share
 
     dest = open_location(request.getfixturevalue(root))
     count = 6

@@ -24,7 +24,7 @@ from streamctl.checkpoint.header_types import (
     header_warning,
     printable,
 )
-from streamctl.limits import shown_number
+from streamctl.common.limits import shown_number
 
 
 def is_u64(value: Any) -> bool:

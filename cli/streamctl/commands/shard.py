@@ -138,11 +138,11 @@ def command(
     Exit 0 when written and checked, 1 when a check failed, 2 on bad input.
     """
     apply_output_flags(json_output, quiet, debug)
-    from streamctl.limits import MAX_OBJECT_SIZE
-    from streamctl.memory import keep_freed_buffers_in_the_heap
+    from streamctl.common.limits import MAX_OBJECT_SIZE
+    from streamctl.common.memory import keep_freed_buffers_in_the_heap
+    from streamctl.common.sizes import parse_size
     from streamctl.shard.plan import ENGINE_ALIASES
     from streamctl.shard.run import ShardOptions, shard_checkpoint
-    from streamctl.sizes import parse_size
     from streamctl.storage import open_destination, open_location
     from streamctl.storage.url import pinned_source, resolve_source_url
 

@@ -125,9 +125,9 @@ def command(
     lists what is left out and why. Re-runs skip objects whose size and sha256 already match.
     """
     apply_output_flags(json_output, quiet, debug)
-    from streamctl.limits import MAX_BUFFER, MAX_PART_SIZE
-    from streamctl.shares import parse_worker
-    from streamctl.sizes import parse_size
+    from streamctl.common.limits import MAX_BUFFER, MAX_PART_SIZE
+    from streamctl.common.sizes import parse_size
+    from streamctl.dest.shares import parse_worker
     from streamctl.storage.url import resolve_source_url
     from streamctl.transfer import TransferOptions, run_transfer
 

@@ -16,11 +16,11 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from streamctl.common.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
+from streamctl.common.redact import MASK, mask_credentials, printable
+from streamctl.common.sizes import parse_size
 from streamctl.errors import UsageError
-from streamctl.limits import MAX_CONCURRENCY, MAX_MEMORY_LIMIT, check_count, check_parallel_sizes
-from streamctl.redact import MASK, mask_credentials, printable
 from streamctl.serve.vllm_args import masked_arguments, takes
-from streamctl.sizes import parse_size
 from streamctl.storage.azure_auth import choose_auth, connection_string_account, connection_string_fields
 from streamctl.storage.base import StorageOptions
 from streamctl.storage.url import ParsedURL, parse_url

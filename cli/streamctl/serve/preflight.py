@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from streamctl.checkpoint.files import TRUST_REMOTE_CODE, RepoKind, needs_mistral_tokenizer_mode, read_repo_kind
+from streamctl.common.words import plural
 from streamctl.errors import PreflightFailed, StreamctlError, UsageError
 from streamctl.progress import Progress
 from streamctl.serve.plan import CheckpointFacts, ServeOptions
@@ -15,7 +16,6 @@ from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing
 from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Expectation, VerifyOptions
 from streamctl.verify.run import listed_layout, verify_checkpoint
-from streamctl.words import plural
 
 TOKENIZER_MODE = "--tokenizer-mode"
 

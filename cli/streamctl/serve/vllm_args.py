@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from streamctl.redact import MASK, mask_credentials
+from streamctl.common.redact import MASK, mask_credentials
 
 VLLM_SERVE_OPTIONS = frozenset(
     [

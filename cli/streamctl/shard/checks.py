@@ -12,12 +12,12 @@ from typing import Any
 
 from streamctl.checkpoint.safetensors import HEADER_LENGTH_BYTES, parse_header, read_header
 from streamctl.checkpoint.sharded_names import parse_sharded_name
+from streamctl.dest.uploads import Cancelled
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.blocks import Block, Delivery, cast_bits, lazy_numpy, read_block, storage_dtype, tensor_blocks
 from streamctl.shard.plan import READ_BLOCK, PlannedTensor, ShardOptions, ShardPlan
 from streamctl.storage.base import Location
-from streamctl.uploads import Cancelled
 from streamctl.verify.report import SHARD_INCOMPLETE_CODE, VerifyOptions, VerifyReport
 from streamctl.verify.run import verify_checkpoint
 

@@ -8,14 +8,21 @@ from dataclasses import dataclass, replace
 
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME, listing_notes
 from streamctl.checkpoint.sharded_names import parse_sharded_name
+from streamctl.common.words import plural
+from streamctl.dest.manifests import (
+    DestManifests,
+    ShardManifest,
+    SourceFile,
+    TensorEntry,
+    is_complete,
+    read_dest_manifests,
+)
+from streamctl.dest.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
+from streamctl.dest.uploads import SHA256_KEY, list_dest
 from streamctl.errors import UsageError
-from streamctl.manifests import DestManifests, ShardManifest, SourceFile, TensorEntry, is_complete, read_dest_manifests
-from streamctl.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
 from streamctl.shard.plan import PlannedFile, ShardPlan
 from streamctl.storage.base import LEASE_NAME, Location, ObjectInfo
 from streamctl.storage.names import check_names_fit
-from streamctl.uploads import SHA256_KEY, list_dest
-from streamctl.words import plural
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ manifest, then the serving files), undo what it began when it fails early, recor
 
 # Completion is explicit: before its first byte a run writes its manifest with `"complete": false`, then the
 # small serving files (config, tokenizer), then the weights, removes (with --force) what earlier streamctl
-# runs wrote and this one does not (streamctl.ownership), checks, and replaces the manifest with the completed
+# runs wrote and this one does not (streamctl.dest.ownership), checks, and replaces the manifest with the completed
 # one last. A run killed or out of space anywhere leaves a DEST that `verify-index` (`shard-incomplete`) and
 # `serve` refuse; one that fails in-process before its weights are committed removes what it began with.
 
@@ -14,8 +14,9 @@ from typing import TypeVar
 
 from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
 from streamctl.checkpoint.sharded_names import parse_sharded_name
+from streamctl.dest.lease import Lease
+from streamctl.dest.uploads import CopiedFile, list_dest
 from streamctl.errors import StreamctlError
-from streamctl.lease import Lease
 from streamctl.progress import Progress
 from streamctl.shard.plan import Engine, ShardOptions, ShardPlan
 from streamctl.shard.result import (
@@ -27,7 +28,6 @@ from streamctl.shard.result import (
 )
 from streamctl.shard.writer import copy_serving_files
 from streamctl.storage.base import Location
-from streamctl.uploads import CopiedFile, list_dest
 
 _T = TypeVar("_T")
 

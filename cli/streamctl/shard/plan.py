@@ -14,9 +14,9 @@ from typing import Any, Literal
 from streamctl.checkpoint.safetensors import DTYPE_BITS, encode_safetensors_header
 from streamctl.checkpoint.sharded_names import format_name
 from streamctl.checkpoint.vllm_layouts import VOCAB_PADDING, LayoutRow, Split, parse_version
+from streamctl.common.limits import check_parallel_sizes, shown_number
+from streamctl.dest.ownership import LeftAlone
 from streamctl.errors import UsageError
-from streamctl.limits import check_parallel_sizes, shown_number
-from streamctl.ownership import LeftAlone
 from streamctl.retry import RetryPolicy
 from streamctl.storage.base import MiB
 
@@ -218,7 +218,9 @@ class ShardPlan:
     max_part_size: int
     stages: tuple[StagePlan, ...]
     serving_files: tuple[tuple[str, int], ...]  # (path, size) of the non-weight files to copy
-    stale: tuple[str, ...]  # DEST files earlier streamctl runs wrote that --force removes (see streamctl.ownership)
+    stale: tuple[
+        str, ...
+    ]  # DEST files earlier streamctl runs wrote that --force removes (see streamctl.dest.ownership)
     tied_lm_head: SourceTensor | None  # the checkpoint's own lm_head when config says tied: must equal embed
     left_alone: tuple[LeftAlone, ...] = ()  # DEST files this run neither writes nor removes
     # (path, size, etag) of every source weight file: a re-run may reuse DEST files only if none changed.

@@ -33,8 +33,8 @@ from streamctl.checkpoint.vllm_layouts import (
     installed_vllm_version,
     layout_row,
 )
+from streamctl.dest.overlap import check_disjoint
 from streamctl.errors import NotFoundError, UsageError
-from streamctl.locations import check_disjoint
 from streamctl.shard.dest import plan_dest
 from streamctl.shard.plan import (
     DTYPE_CHOICES,

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamctl.checkpoint.files import notes_to_json
+from streamctl.dest.manifests import FileEntry, Rank, RankFile, ShardManifest, SourceFile, TensorEntry, put_manifest
+from streamctl.dest.uploads import CopiedFile
 from streamctl.errors import VerificationFailed
-from streamctl.manifests import FileEntry, Rank, RankFile, ShardManifest, SourceFile, TensorEntry, put_manifest
 from streamctl.shard.checks import ReconstructionReport
 from streamctl.shard.plan import Engine, ShardPlan
 from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigestReport
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import CopiedFile
 from streamctl.verify.report import VerifyReport
 
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS
-from streamctl.lease import Lease, hold_lease
-from streamctl.ownership import remove_files
+from streamctl.dest.lease import Lease, hold_lease
+from streamctl.dest.ownership import remove_files
+from streamctl.dest.uploads import discard_unfinished_uploads
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.shard.checks import check_written
 from streamctl.shard.dest import plan_dest
@@ -28,7 +29,6 @@ from streamctl.shard.result import ShardCheckFailed, ShardResult
 from streamctl.shard.vllm_engine import shard_with_vllm
 from streamctl.shard.writer import write_sharded
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import discard_unfinished_uploads
 
 if TYPE_CHECKING:
     from streamctl.shard.vllm_worker import VllmWorker

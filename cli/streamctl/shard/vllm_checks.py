@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+from streamctl.dest.uploads import Cancelled
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import RECONSTRUCTION_THREADS, WrittenTensor, read_written_headers
 from streamctl.shard.plan import READ_BLOCK, ShardPlan
 from streamctl.storage.base import Location
-from streamctl.uploads import Cancelled
 
 # (pp_rank, tp_rank, tensor name) -> the sha256 of its bytes as the worker sent them
 TensorDigests = Mapping[tuple[int, int, str], str]

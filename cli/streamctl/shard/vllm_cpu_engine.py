@@ -23,11 +23,12 @@ from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import DTYPE_BITS
 from streamctl.checkpoint.sharded_names import default_pattern, validate_pattern
 from streamctl.checkpoint.vllm_layouts import LAYOUT_ROWS, Split
+from streamctl.dest.lease import Lease, hold_lease
+from streamctl.dest.overlap import check_disjoint
+from streamctl.dest.ownership import remove_files
+from streamctl.dest.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
 from streamctl.errors import EngineFailed, IntegrityError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls, stop_signal
-from streamctl.lease import Lease, hold_lease
-from streamctl.locations import check_disjoint
-from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
@@ -57,7 +58,6 @@ from streamctl.shard.vllm_checks import LoaderCheckReport, TensorDigests, check_
 from streamctl.shard.vllm_worker import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.writer import PartStream, abort_all, commit_all, copy_serving_files, start_stream
 from streamctl.storage.base import ListingNote, Location
-from streamctl.uploads import ByteBudget, Cancelled, discard_unfinished_uploads
 
 
 @dataclass(frozen=True)

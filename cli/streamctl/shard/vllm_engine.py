@@ -20,11 +20,12 @@ from streamctl.checkpoint.files import CONFIG_NAME, listing_notes, log_notes
 from streamctl.checkpoint.safetensors import ParsedHeader, parse_header, read_header
 from streamctl.checkpoint.sharded_names import default_pattern, format_name, parse_sharded_name, validate_pattern
 from streamctl.checkpoint.vllm_layouts import installed_vllm_version, layout_row
+from streamctl.dest.lease import Lease, hold_lease
+from streamctl.dest.overlap import check_disjoint
+from streamctl.dest.ownership import Cleanup, remove_files
+from streamctl.dest.uploads import discard_unfinished_uploads
 from streamctl.errors import MissingProgramError, UsageError
 from streamctl.interrupts import shielded_calls
-from streamctl.lease import Lease, hold_lease
-from streamctl.locations import check_disjoint
-from streamctl.ownership import Cleanup, remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import with_retries
 from streamctl.shard.checks import check_written
@@ -35,7 +36,6 @@ from streamctl.shard.planning import list_source, plan_shard, read_json_object, 
 from streamctl.shard.result import ShardResult, WrittenFile
 from streamctl.shard.writer import PartStream, abort_all, commit_all, start_stream
 from streamctl.storage.base import ListingNote, Location, ObjectInfo
-from streamctl.uploads import discard_unfinished_uploads
 
 # The script the engine subprocess runs (by path: vLLM's Python need not have streamctl installed).
 VLLM_SAVE_SCRIPT = Path(__file__).with_name("vllm_save.py")

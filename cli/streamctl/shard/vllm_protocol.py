@@ -204,7 +204,7 @@ def start_lifeline(
 ) -> threading.Thread:
     """The worker's side: die with the parent (PR_SET_PDEATHSIG, and its pid checked every interval), and
     call `send_heartbeat` every interval while `working` is set. Call it first thing, from the main thread."""
-    from streamctl._libc import set_parent_death_signal
+    from streamctl.common.libc import set_parent_death_signal
 
     set_parent_death_signal(signal.SIGKILL)
     parent = int(environ.get(PARENT_VARIABLE, "0") or 0) or os.getppid()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from streamctl.checkpoint.vllm_layouts import TIED_LM_HEAD_RULE
+from streamctl.dest.uploads import SHA256_KEY, ByteBudget, Cancelled, CopiedFile, part_size_for
 from streamctl.errors import IntegrityError, StreamctlError, UsageError
 from streamctl.interrupts import Shielded, shielded_calls
 from streamctl.progress import NULL_PROGRESS, Progress
@@ -36,7 +37,6 @@ from streamctl.shard.plan import (
 )
 from streamctl.shard.result import WrittenFile
 from streamctl.storage.base import Location, MultipartUpload, PositionalWrite
-from streamctl.uploads import SHA256_KEY, ByteBudget, Cancelled, CopiedFile, part_size_for
 
 READ_AHEAD = 4  # block reads in flight (they also overlap the writes)
 

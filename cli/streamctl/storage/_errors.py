@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
+from streamctl.common.redact import mask_credentials
 from streamctl.errors import (
     AccessDeniedError,
     IntegrityError,
@@ -26,7 +27,6 @@ from streamctl.errors import (
     StreamctlError,
     UsageError,
 )
-from streamctl.redact import mask_credentials
 from streamctl.storage import deadlines
 
 T = TypeVar("T")

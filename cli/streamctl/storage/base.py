@@ -22,11 +22,11 @@ from typing import Protocol
 from streamctl.storage.schemes import SCHEMES
 
 MiB = 1024 * 1024
-# The lease object a writing run holds at the root of its DEST (streamctl.lease). A reserved name: folder-like
+# The lease object a writing run holds at the root of its DEST (streamctl.dest.lease). A reserved name: folder-like
 # listings (Location.list) never show it at any depth, so it is never copied, removed by --force or reported as
 # a stray file. No dot-json suffix, so nothing that pulls every *.json next to the weights (vLLM) fetches it.
 LEASE_NAME = ".streamctl-lease"
-# `transfer --worker K/N` runs hold one lease each, LEASE_NAME + ".worker-K-of-N" (streamctl.lease): as reserved.
+# `transfer --worker K/N` runs hold one lease each, LEASE_NAME + ".worker-K-of-N" (streamctl.dest.lease): as reserved.
 _LEASE_NAME = re.compile(re.escape(LEASE_NAME) + r"(?:\.worker-[0-9]+-of-[0-9]+)?")
 
 
@@ -298,7 +298,7 @@ class Store(Protocol):
         """
         ...
 
-    # Conditional writes, for the DEST lease (streamctl.lease). A *version* is an opaque token naming one
+    # Conditional writes, for the DEST lease (streamctl.dest.lease). A *version* is an opaque token naming one
     # stored state of an object (S3/Azure: the ETag; GCS: the generation; local: inode, mtime and content hash).
     # S3's ETag is the MD5 of the bytes, so two writers must never write identical bytes (the lease's carry a
     # per-run token).

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamctl._libc import start_writeback
+from streamctl.common.libc import start_writeback
 from streamctl.errors import RemoteError, UsageError
 from streamctl.oserrors import from_os_error
 from streamctl.storage.base import TEMPORARY_FOLDER, HeldPart, ObjectInfo, PositionalWrite, new_temporary_token

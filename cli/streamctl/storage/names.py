@@ -12,10 +12,10 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from streamctl.common.words import plural
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location, new_temporary_token, temporary_key
 from streamctl.storage.schemes import SCHEMES, NameLimits
-from streamctl.words import plural
 
 SHOWN_HEAD, SHOWN_TAIL = 100, 60  # a long name in a message: its start and its end, enough to find it
 

@@ -26,14 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
 
-from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, StreamctlError
-from streamctl.interrupts import Shielded
-from streamctl.progress import Progress
-from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MiB, MultipartUpload
-from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
-from streamctl.transfer.plan import FilePlan, TransferOptions
-from streamctl.uploads import (
+from streamctl.dest.uploads import (
     SHA256_KEY,
     ByteBudget,
     Cancelled,
@@ -43,6 +36,13 @@ from streamctl.uploads import (
     part_size_note,
     resume_token,
 )
+from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, StreamctlError
+from streamctl.interrupts import Shielded
+from streamctl.progress import Progress
+from streamctl.retry import with_retries
+from streamctl.storage.base import HeldPart, Location, MiB, MultipartUpload
+from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
+from streamctl.transfer.plan import FilePlan, TransferOptions
 
 
 class _ChecksumMismatch(Exception):

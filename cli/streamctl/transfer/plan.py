@@ -1,7 +1,7 @@
 """Plan a transfer: list both sides, choose the file set, decide copy or skip for each file, and what
---force removes in DEST (streamctl.ownership). Writes nothing.
+--force removes in DEST (streamctl.dest.ownership). Writes nothing.
 
-`--worker K/N` (streamctl.shares): the plan is cut to share K of N, split from every planned file, so all
+`--worker K/N` (streamctl.dest.shares): the plan is cut to share K of N, split from every planned file, so all
 workers compute the same split whatever DEST holds by now.
 """
 
@@ -26,18 +26,18 @@ from streamctl.checkpoint.files import (
 )
 from streamctl.checkpoint.index import INDEX_NAME
 from streamctl.checkpoint.safetensors import decode_json_strictly
+from streamctl.common.limits import MAX_CONCURRENCY, check_count
+from streamctl.dest.lease import lease_name
+from streamctl.dest.manifests import DestManifests, read_dest_manifests
+from streamctl.dest.overlap import check_disjoint
+from streamctl.dest.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
+from streamctl.dest.shares import Share, Worker, split_shares, take_share
+from streamctl.dest.uploads import SHA256_KEY, check_part_size, list_dest, part_size_for
 from streamctl.errors import NotFoundError, UsageError
-from streamctl.lease import lease_name
-from streamctl.limits import MAX_CONCURRENCY, check_count
-from streamctl.locations import check_disjoint
-from streamctl.manifests import DestManifests, read_dest_manifests
-from streamctl.ownership import Cleanup, plan_cleanup, unfollowed_links, written_by_streamctl
 from streamctl.retry import RetryPolicy
-from streamctl.shares import Share, Worker, split_shares, take_share
 from streamctl.storage.base import ListingNote, Location, MiB, ObjectInfo, is_safe_relative_path, unsafe_path_reason
 from streamctl.storage.names import check_names_fit
 from streamctl.transfer.hashing import GIT_SHA1_KEY, hash_object
-from streamctl.uploads import SHA256_KEY, check_part_size, list_dest, part_size_for
 
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_MAX_BUFFER = 256 * MiB
@@ -68,7 +68,7 @@ class TransferPlan:
     cleanup: Cleanup = field(default_factory=Cleanup)
     # Entries of a local SOURCE left out (FIFOs, devices, links not followed) or read through a link.
     notes: tuple[ListingNote, ...] = ()
-    # `--worker K/N`: `files` are this worker's share of the plan (streamctl.shares), `share` says of which.
+    # `--worker K/N`: `files` are this worker's share of the plan (streamctl.dest.shares), `share` says of which.
     share: Share | None = None
 
     @property
@@ -108,7 +108,7 @@ class TransferOptions:
     max_buffer: int = DEFAULT_MAX_BUFFER
     force: bool = False
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    worker: Worker | None = None  # `--worker K/N`: copy share K of N (streamctl.shares)
+    worker: Worker | None = None  # `--worker K/N`: copy share K of N (streamctl.dest.shares)
 
     def validate(self) -> None:
         check_count("--concurrency", self.concurrency, MAX_CONCURRENCY)
@@ -302,7 +302,7 @@ def plan_transfer(
     source: Location, dest: Location, source_id: str, options: TransferOptions = TransferOptions()
 ) -> TransferPlan:
     """List both sides, choose the file set and decide copy or skip for each file, and what --force removes
-    in DEST (see streamctl.ownership). Writes nothing; a DEST that overlaps SOURCE is refused (exit 2)."""
+    in DEST (see streamctl.dest.ownership). Writes nothing; a DEST that overlaps SOURCE is refused (exit 2)."""
     options.validate()
     check_disjoint(source, dest)
     own_names = [MANIFEST_NAME, lease_name(options.worker)]

@@ -1,7 +1,7 @@
 """One transfer run: plan, copy every planned file under DEST's lease, remove what --force replaces, write
 the manifest, then check DEST with verify-index.
 
-`--worker K/N` (streamctl.shares): the run holds that share's lease, and the manifest is merged share by
+`--worker K/N` (streamctl.dest.shares): the run holds that share's lease, and the manifest is merged share by
 share; the worker whose share completes it removes what --force replaces.
 """
 
@@ -14,19 +14,19 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from streamctl.checkpoint.files import MANIFEST_NAME, notes_to_json, weights_file
+from streamctl.dest.lease import Lease, hold_lease
+from streamctl.dest.manifests import FileEntry, TransferManifest, put_manifest, read_dest_manifests
+from streamctl.dest.overlap import check_disjoint
+from streamctl.dest.ownership import remove_files
+from streamctl.dest.shares import ShareFields, ShareRecord, record_share
+from streamctl.dest.uploads import ByteBudget, CopiedFile, discard_unfinished_uploads, list_dest
 from streamctl.errors import ChecksFailed, DestinationBusy, NotFoundError, RemoteError
 from streamctl.interrupts import shielded_calls
-from streamctl.lease import Lease, hold_lease
-from streamctl.locations import check_disjoint
-from streamctl.manifests import FileEntry, TransferManifest, put_manifest, read_dest_manifests
-from streamctl.ownership import remove_files
 from streamctl.progress import NULL_PROGRESS, Progress
-from streamctl.shares import ShareFields, ShareRecord, record_share
 from streamctl.storage import deadlines
 from streamctl.storage.base import ListingNote, Location, StorageOptions
 from streamctl.transfer.engine import Engine
 from streamctl.transfer.plan import TransferOptions, TransferPlan, check_manifest, plan_transfer
-from streamctl.uploads import ByteBudget, CopiedFile, discard_unfinished_uploads, list_dest
 
 if TYPE_CHECKING:
     from streamctl.verify.report import VerifyReport
@@ -220,7 +220,7 @@ def run_transfer(
     """The whole transfer: open both sides, plan (the plan is the answer with `dry_run`; else `on_plan` sees it
     before anything is written), copy, then verify-index DEST when weights (of any format) were among the files, as
     shard checks what it wrote. A check that fails raises ChecksFailed carrying the run (exit 1)."""
-    from streamctl.memory import return_large_buffers_to_the_os
+    from streamctl.common.memory import return_large_buffers_to_the_os
     from streamctl.storage import open_destination, open_location
     from streamctl.storage.url import source_identity
     from streamctl.verify.run import verify_checkpoint

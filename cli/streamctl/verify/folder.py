@@ -18,15 +18,15 @@ from streamctl.checkpoint.files import (
     repo_kind,
 )
 from streamctl.checkpoint.safetensors import decode_json_strictly, printable
-from streamctl.manifests import MAX_MANIFEST_BYTES, TransferManifest, parse_manifest
-from streamctl.shares import manifest_incomplete
+from streamctl.dest.manifests import MAX_MANIFEST_BYTES, TransferManifest, parse_manifest
+from streamctl.dest.shares import manifest_incomplete
 from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing, Reads, read_small
 from streamctl.verify.report import TRANSFER_INCOMPLETE_CODE, Findings
 
 
 def check_transfer_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
-    """A `transfer --worker K/N` copy some of whose shares have not finished (streamctl.shares)."""
+    """A `transfer --worker K/N` copy some of whose shares have not finished (streamctl.dest.shares)."""
     data = read_small(location, listing, MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, TRANSFER_INCOMPLETE_CODE)
     manifest = parse_manifest(TransferManifest, data) if data is not None else None
     reason = manifest_incomplete(manifest) if manifest is not None else None  # None: unreadable, nothing to say

@@ -21,8 +21,8 @@ from streamctl.checkpoint.index import INDEX_NAME, INDEX_NAMES, CheckpointIndex
 from streamctl.checkpoint.safetensors import printable
 from streamctl.checkpoint.sharded_names import pattern_fields
 from streamctl.checkpoint.streamer_compat import streamer_problem
+from streamctl.common.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.errors import UsageError
-from streamctl.limits import MAX_CONCURRENCY, check_count, check_parallel_sizes
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.storage import deadlines
 from streamctl.storage.base import Location

@@ -19,8 +19,8 @@ from streamctl.checkpoint.sharded_names import (
     rank_loading,
     validate_pattern,
 )
+from streamctl.dest.manifests import MAX_MANIFEST_BYTES, ShardManifest, is_complete, parse_manifest
 from streamctl.errors import UsageError
-from streamctl.manifests import MAX_MANIFEST_BYTES, ShardManifest, is_complete, parse_manifest
 from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing, Reads, ShardHeader, read_small
 from streamctl.verify.report import SHARD_INCOMPLETE_CODE, Findings, VerifyOptions
@@ -204,7 +204,7 @@ def _check_rank_tensors(
 
 
 def check_shard_manifest(location: Location, listing: Listing, findings: Findings, reads: Reads) -> None:
-    """A `streamctl shard` run that never completed (see streamctl.manifests.is_complete)."""
+    """A `streamctl shard` run that never completed (see streamctl.dest.manifests.is_complete)."""
     data = read_small(
         location, listing, SHARD_MANIFEST_NAME, MAX_MANIFEST_BYTES, findings, reads, SHARD_INCOMPLETE_CODE
     )
