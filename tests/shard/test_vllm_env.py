@@ -18,13 +18,14 @@ from cli_helpers import CliResult, run_cli
 from oracle import oracle_python, requires_vllm_oracle
 from progress_helpers import RecordingProgress
 from shard_models import write_model
-from streamctl.checkpoint.vllm_layouts import default_vllm_version
+from streamctl.checkpoint.vllm_layouts import TESTED_VLLM_VERSIONS, default_vllm_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
 from streamctl.shard.engines.vllm_cpu import env as vllm_env
 from streamctl.shard.engines.vllm_cpu.env import VllmPython, recipe_stamp, resolve_vllm_python, stamp_path
 
 CLI_DIR = Path(vllm_env.__file__).resolve().parents[4]
 REPO = CLI_DIR.parent
+DEFAULT = default_vllm_version()  # the environment streamctl builds when no --vllm-version is given
 
 
 def fake_vllm_python(folder: Path, version: str | None) -> Path:
@@ -61,7 +62,7 @@ def test_vllm_python_that_does_not_exist_is_bad_usage(tmp_path: Path) -> None:
 
 
 def test_vllm_python_that_is_not_executable_is_bad_usage(tmp_path: Path) -> None:
-    python = fake_vllm_python(tmp_path / "env", "0.33.0")
+    python = fake_vllm_python(tmp_path / "env", DEFAULT)
     python.chmod(0o644)
     error = refusal(str(python))
     assert isinstance(error, UsageError) and error.exit_code == 2
@@ -69,7 +70,7 @@ def test_vllm_python_that_is_not_executable_is_bad_usage(tmp_path: Path) -> None
 
 
 def test_vllm_python_that_is_a_venv_folder_names_its_python(tmp_path: Path) -> None:
-    python = fake_vllm_python(tmp_path / "env", "0.33.0")
+    python = fake_vllm_python(tmp_path / "env", DEFAULT)
     error = refusal(str(tmp_path / "env"))
     assert isinstance(error, UsageError) and "is a folder" in str(error)
     assert error.hint is not None and str(python) in error.hint
@@ -92,24 +93,24 @@ def test_vllm_python_without_vllm_is_a_missing_program() -> None:
 
 
 def test_vllm_python_with_vllm_is_taken_as_given_with_its_version(tmp_path: Path) -> None:
-    python = fake_vllm_python(tmp_path / "env", "0.33.0")
-    for asked in (None, "0.33.0", "0.33"):
+    python = fake_vllm_python(tmp_path / "env", DEFAULT)
+    for asked in (None, DEFAULT, DEFAULT.rsplit(".", 1)[0]):
         found = resolve_vllm_python(str(python), asked, RecordingProgress())
-        assert found == VllmPython(path=str(python), version="0.33.0")
+        assert found == VllmPython(path=str(python), version=DEFAULT)
 
 
 def test_vllm_python_of_another_version_than_asked_is_refused(tmp_path: Path) -> None:
     python = fake_vllm_python(tmp_path / "env", "0.32.1")
-    error = refusal(str(python), "0.33.0")
+    error = refusal(str(python), DEFAULT)
     assert isinstance(error, UsageError) and error.code == "vllm-version-mismatch"
-    assert "has vLLM 0.32.1, not the --vllm-version 0.33.0 asked for" in str(error)
+    assert f"has vLLM 0.32.1, not the --vllm-version {DEFAULT} asked for" in str(error)
 
 
 @requires_vllm_oracle
 def test_the_oracle_python_is_taken_and_a_mismatch_refused() -> None:
     python = oracle_python()
     assert python is not None
-    assert resolve_vllm_python(python, None, RecordingProgress()) == VllmPython(python, "0.33.0")
+    assert resolve_vllm_python(python, None, RecordingProgress()) == VllmPython(python, DEFAULT)
     error = refusal(python, "0.32.0")
     assert isinstance(error, UsageError) and error.code == "vllm-version-mismatch"
 
@@ -118,7 +119,7 @@ def test_a_vllm_version_that_is_no_plain_release_is_refused_before_any_path_is_m
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path / "cache"))
-    for bad in ("../../etc", "0.33.0; rm -rf /", "latest", ""):
+    for bad in ("../../etc", f"{DEFAULT}; rm -rf /", "latest", ""):
         with pytest.raises(UsageError, match="invalid vLLM version"):
             resolve_vllm_python(None, bad, RecordingProgress(), build=_never_build)
     assert not (tmp_path / "cache").exists()
@@ -155,7 +156,7 @@ def test_bad_vllm_pythons_through_the_cli_are_json_errors_with_their_exit_codes(
 
 def test_a_vllm_python_of_another_version_through_the_cli_is_refused(tmp_path: Path) -> None:
     python = fake_vllm_python(tmp_path / "env", "0.32.1")
-    result = cli_shard_vllm_cpu(tmp_path, "--vllm-python", str(python), "--vllm-version", "0.33.0")
+    result = cli_shard_vllm_cpu(tmp_path, "--vllm-python", str(python), "--vllm-version", DEFAULT)
     assert result.exit_code == 2, result.stderr
     assert result.json()["error"]["code"] == "vllm-version-mismatch"
     assert not (tmp_path / "out").exists()
@@ -173,8 +174,8 @@ def test_the_default_environment_is_the_newest_layout_rows_version(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
-    assert default_vllm_version() == "0.33.0"
-    assert vllm_env.cached_environment_path("0.33.0") == tmp_path / "vllm-0.33.0-cpu"
+    assert default_vllm_version() == TESTED_VLLM_VERSIONS[0] == "0.34.0"
+    assert vllm_env.cached_environment_path(DEFAULT) == tmp_path / f"vllm-{DEFAULT}-cpu"
     monkeypatch.delenv("STREAMCTL_CACHE")
     assert vllm_env.cached_environment_path("0.34.1") == Path.home() / ".cache/streamctl/vllm-0.34.1-cpu"
 
@@ -186,14 +187,14 @@ def test_a_cached_environment_with_a_matching_stamp_is_reused_without_building(
     python = oracle_python()
     assert python is not None
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
-    venv = tmp_path / "vllm-0.33.0-cpu"
+    venv = tmp_path / f"vllm-{DEFAULT}-cpu"
     venv.symlink_to(Path(python).parent.parent)  # the oracle venv, never written to: the stamp lies beside
-    vllm_env.write_stamp(venv, recipe_stamp("0.33.0"))  # as the builder does, last
+    vllm_env.write_stamp(venv, recipe_stamp(DEFAULT))  # as the builder does, last
     progress = RecordingProgress()
     found = resolve_vllm_python(None, None, progress, build=_never_build)
-    assert found == VllmPython(path=str(venv / "bin" / "python"), version="0.33.0")
+    assert found == VllmPython(path=str(venv / "bin" / "python"), version=DEFAULT)
     assert progress.lines == []
-    assert resolve_vllm_python(None, "0.33.0", progress, build=_never_build) == found
+    assert resolve_vllm_python(None, DEFAULT, progress, build=_never_build) == found
 
 
 def _stand_in_build(version_installed: str) -> Any:
@@ -213,21 +214,21 @@ def test_a_missing_or_stale_environment_is_built_once_then_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
-    build = _stand_in_build("0.33.0")
-    venv = tmp_path / "vllm-0.33.0-cpu"
+    build = _stand_in_build(DEFAULT)
+    venv = tmp_path / f"vllm-{DEFAULT}-cpu"
     first = resolve_vllm_python(None, None, RecordingProgress(), build=build)
-    assert first == VllmPython(path=str(venv / "bin" / "python"), version="0.33.0")
-    assert resolve_vllm_python(None, "0.33.0", RecordingProgress(), build=build) == first
-    assert build.calls == ["0.33.0"]
-    stamp_path(venv).write_text(recipe_stamp("0.33.0").replace("recipe=", "recipe=0"))  # an older recipe's
+    assert first == VllmPython(path=str(venv / "bin" / "python"), version=DEFAULT)
+    assert resolve_vllm_python(None, DEFAULT, RecordingProgress(), build=build) == first
+    assert build.calls == [DEFAULT]
+    stamp_path(venv).write_text(recipe_stamp(DEFAULT).replace("recipe=", "recipe=0"))  # an older recipe's
     assert resolve_vllm_python(None, None, RecordingProgress(), build=build) == first
-    assert build.calls == ["0.33.0", "0.33.0"]
+    assert build.calls == [DEFAULT, DEFAULT]
     # The venv's own Python answering with another version than the one recorded (it was upgraded): again.
     recorded = stamp_path(venv).read_text()
     assert recorded.endswith(f"python={'.'.join(map(str, sys.version_info[:3]))}\n")
     stamp_path(venv).write_text(recorded.rsplit("python=", 1)[0] + "python=3.10.0\n")
     assert resolve_vllm_python(None, None, RecordingProgress(), build=build) == first
-    assert build.calls == ["0.33.0", "0.33.0", "0.33.0"]
+    assert build.calls == [DEFAULT, DEFAULT, DEFAULT]
 
 
 def test_a_build_that_stops_half_way_is_not_taken_for_a_good_one(
@@ -236,24 +237,24 @@ def test_a_build_that_stops_half_way_is_not_taken_for_a_good_one(
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
 
     def half_build(venv: Path, *args: Any, **kwargs: Any) -> None:
-        fake_vllm_python(venv, "0.33.0")
+        fake_vllm_python(venv, DEFAULT)
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         resolve_vllm_python(None, None, RecordingProgress(), build=half_build)
-    build = _stand_in_build("0.33.0")
+    build = _stand_in_build(DEFAULT)
     resolve_vllm_python(None, None, RecordingProgress(), build=build)
-    assert build.calls == ["0.33.0"]
+    assert build.calls == [DEFAULT]
 
 
 def test_a_rebuild_removes_a_stamped_environment_and_builds_it_again(tmp_path: Path) -> None:
-    build = _stand_in_build("0.33.0")
+    build = _stand_in_build(DEFAULT)
     venv = tmp_path / "vllm-venv"
-    vllm_env.ensure_environment(venv, "0.33.0", RecordingProgress(), build=build)
+    vllm_env.ensure_environment(venv, DEFAULT, RecordingProgress(), build=build)
     (venv / "left-over").write_text("from the old build")
     progress = RecordingProgress()
-    python = vllm_env.ensure_environment(venv, "0.33.0", progress, rebuild=True, build=build)
-    assert python == venv / "bin" / "python" and build.calls == ["0.33.0", "0.33.0"]
+    python = vllm_env.ensure_environment(venv, DEFAULT, progress, rebuild=True, build=build)
+    assert python == venv / "bin" / "python" and build.calls == [DEFAULT, DEFAULT]
     assert not (venv / "left-over").exists()
     assert progress.lines == [f"removing {venv} to build it again"]
 
@@ -262,7 +263,7 @@ def test_an_environment_that_answers_with_another_vllm_is_called_broken(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
-    with pytest.raises(MissingProgramError, match="vllm-0.33.0-cpu is broken") as caught:
+    with pytest.raises(MissingProgramError, match=f"vllm-{DEFAULT}-cpu is broken") as caught:
         resolve_vllm_python(None, None, RecordingProgress(), build=_stand_in_build("0.31.0"))
     assert caught.value.hint is not None and "--vllm-python" in caught.value.hint
 
@@ -297,7 +298,7 @@ print("done", time.time(), python, flush=True)
 
 
 def test_a_second_builder_waits_for_the_first_then_finds_it_built(tmp_path: Path) -> None:
-    venv, log = tmp_path / "vllm-0.33.0-cpu", tmp_path / "builds.log"
+    venv, log = tmp_path / f"vllm-{DEFAULT}-cpu", tmp_path / "builds.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(CLI_DIR), os.environ.get("PYTHONPATH", "")))}
 
     def start() -> subprocess.Popen[str]:
@@ -335,7 +336,7 @@ def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
 ) -> None:
     index = unreachable_index_env(monkeypatch)
     monkeypatch.setenv("STREAMCTL_CACHE", str(tmp_path))
-    venv = tmp_path / "vllm-0.33.0-cpu"
+    venv = tmp_path / f"vllm-{DEFAULT}-cpu"
     stamp_path(venv).write_text("recipe=0\n")  # an older build's stamp: removed before anything is installed
     progress = RecordingProgress()
     started = time.monotonic()
@@ -344,19 +345,19 @@ def test_an_unreachable_package_index_is_a_clear_error_naming_vllm_python(
     error = caught.value
     assert error.exit_code == 6 and error.code == "package-index-unreachable"
     assert str(error).startswith(
-        f"could not build a CPU-only vLLM 0.33.0 environment: the package index is unreachable (torch from {index}: "
+        f"could not build a CPU-only vLLM {DEFAULT} environment: the package index is unreachable (torch from {index}: "
     )
     assert "\n" not in str(error) and "Traceback" not in str(error)
     assert error.hint == "pass --vllm-python PATH to use an existing vLLM environment"
     assert error.details is not None and any("torch==2.13.0" in line for line in error.details["pip_output_tail"])
-    assert progress.lines[0] == f"creating a CPU-only vLLM 0.33.0 environment in {venv} (once; a few minutes)"
+    assert progress.lines[0] == f"creating a CPU-only vLLM {DEFAULT} environment in {venv} (once; a few minutes)"
     assert not stamp_path(venv).exists()
     assert time.monotonic() - started < 60
     # The next try starts from the half-made venv and fails the same way: still no stamp.
     progress = RecordingProgress()
     with pytest.raises(RemoteError):
         resolve_vllm_python(None, None, progress)
-    assert progress.lines[0] == f"completing the CPU-only vLLM 0.33.0 environment in {venv}"
+    assert progress.lines[0] == f"completing the CPU-only vLLM {DEFAULT} environment in {venv}"
     assert not stamp_path(venv).exists()
 
 
@@ -385,10 +386,10 @@ def test_ci_vllm_env_is_the_same_recipe_and_reports_its_failure_on_stderr(
     )
     assert done.returncode == 1 and done.stdout == ""
     lines = done.stderr.strip().splitlines()
-    assert lines[0] == f"vllm-env: creating a CPU-only vLLM 0.33.0 environment in {venv} (once; a few minutes)"
+    assert lines[0] == f"vllm-env: creating a CPU-only vLLM {DEFAULT} environment in {venv} (once; a few minutes)"
     assert lines[1] == "vllm-env: torch 2.13.0, CPU build, from pip's configured index"
     assert lines[-1].startswith(
-        "vllm-env: could not build a CPU-only vLLM 0.33.0 environment: the package index is unreachable"
+        f"vllm-env: could not build a CPU-only vLLM {DEFAULT} environment: the package index is unreachable"
     )
     assert any("from versions: none" in line for line in lines)  # pip's own words, kept
     assert not stamp_path(venv).exists()
@@ -402,15 +403,15 @@ def test_an_unreachable_package_index_through_the_cli_names_vllm_python(
     assert result.exit_code == 6, result.stderr
     error = result.json()["error"]
     assert error["code"] == "package-index-unreachable"
-    assert error["message"].startswith("could not build a CPU-only vLLM 0.33.0 environment: the package index")
+    assert error["message"].startswith(f"could not build a CPU-only vLLM {DEFAULT} environment: the package index")
     assert "--vllm-python" in error["hint"]
     assert "pip_output_tail" in result.json()
-    assert not stamp_path(tmp_path / "cache" / "vllm-0.33.0-cpu").exists()
+    assert not stamp_path(tmp_path / "cache" / f"vllm-{DEFAULT}-cpu").exists()
     assert not (tmp_path / "out").exists()
 
 
 def test_pip_failures_other_than_the_network_name_the_step_and_keep_pips_last_lines() -> None:
-    output = "Collecting vllm==9.9.9\nERROR: Could not find a version (from versions: 0.32.0, 0.33.0)\n"
+    output = f"Collecting vllm==9.9.9\nERROR: Could not find a version (from versions: 0.32.0, {DEFAULT})\n"
     output += "ERROR: No matching distribution found for vllm==9.9.9\n"
     error = vllm_env._step_error("9.9.9", "vllm==9.9.9", output)
     assert isinstance(error, MissingProgramError) and error.exit_code == 127
@@ -421,13 +422,13 @@ def test_pip_failures_other_than_the_network_name_the_step_and_keep_pips_last_li
     refused = (
         "WARNING: Retrying (Retry(total=4)) after connection broken by 'NewConnectionError(... Connection refused)'"
     )
-    assert isinstance(vllm_env._step_error("0.33.0", "torch", refused), RemoteError)
+    assert isinstance(vllm_env._step_error(DEFAULT, "torch", refused), RemoteError)
 
 
 def test_the_recipe_stamp_changes_with_what_the_build_installs() -> None:
-    base = recipe_stamp("0.33.0")
-    assert recipe_stamp("0.33.0") == base
-    assert recipe_stamp("0.34.0") != base
-    assert recipe_stamp("0.33.0", ("-e", "/repo")) != base
-    assert recipe_stamp("0.33.0", stamp_extra="script=abc") != base
+    base = recipe_stamp(DEFAULT)
+    assert recipe_stamp(DEFAULT) == base
+    assert recipe_stamp(TESTED_VLLM_VERSIONS[1]) != base  # another release
+    assert recipe_stamp(DEFAULT, ("-e", "/repo")) != base
+    assert recipe_stamp(DEFAULT, stamp_extra="script=abc") != base
     assert f"torch={vllm_env.TORCH_VERSION}" in base and "torchvision" in base  # excluded, on purpose

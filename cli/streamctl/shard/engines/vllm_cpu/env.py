@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamctl import oserrors
-from streamctl.checkpoint.vllm_layouts import default_vllm_version, parse_version
+from streamctl.checkpoint.vllm_layouts import VLLM_DISTRIBUTIONS, default_vllm_version, parse_version
 from streamctl.errors import MissingProgramError, RemoteError, StreamctlError, UsageError
 from streamctl.progress import Progress
 
@@ -445,10 +445,13 @@ def _import_check(python: str, vllm_version: str, modules: Sequence[str]) -> Non
 # Asks the Python which vLLM it has without importing vllm (seconds) or torch: package metadata only.
 _PROBE_SCRIPT = """
 import importlib.metadata as m, json, sys
-try:
-    version = m.version("vllm")
-except m.PackageNotFoundError:
-    version = None
+version = None
+for distribution in json.loads(sys.argv[1]):
+    try:
+        version = m.version(distribution)
+        break
+    except m.PackageNotFoundError:
+        pass
 print(json.dumps({"python": list(sys.version_info[:3]), "vllm": version}))
 """
 
@@ -492,7 +495,11 @@ def _probe(python: str) -> VllmPython | None:
 def _probe_answer(python: str) -> dict[str, object] | None:
     try:
         done = subprocess.run(
-            [python, "-P", "-c", _PROBE_SCRIPT], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60
+            [python, "-P", "-c", _PROBE_SCRIPT, json.dumps(VLLM_DISTRIBUTIONS)],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         answer = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout else None
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
