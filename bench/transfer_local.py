@@ -263,10 +263,16 @@ def print_runs(runs: list[Run], size: int) -> None:
     table.print()
 
 
-def main(argv: list[str]) -> int:
+def generate_worker(argv: list[str]) -> int:
+    """The child that writes the checkpoint (FOLDER TOTAL_BYTES SHARD_BYTES), so numpy's pages stay out of the parent."""
+    write_checkpoint(Path(argv[0]), int(argv[1]), int(argv[2]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--generate"]:
-        write_checkpoint(Path(argv[1]), int(argv[2]), int(argv[3]))
-        return 0
+        return generate_worker(argv[1:])
     args = parse_args(argv)
     env = dict(os.environ)
     with scratch(args.dir) as folder:
@@ -325,4 +331,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())
