@@ -1,4 +1,4 @@
-"""vLLM 0.33 as the judge, from the main (torch-free) test venv: thin wrappers over tests/vllm_oracle/.
+"""vLLM as the judge (the default release, 0.34; 0.33 of the architecture matrix too), from the main (torch-free) test venv: thin wrappers over tests/vllm_oracle/.
 
 The oracle scripts run under the separate vLLM venv that `.ci/vllm-env` builds; `.ci/test` exports its
 python as STREAMCTL_VLLM_PYTHON. Without that variable (local development without the 4 GB env) tests that
@@ -43,7 +43,7 @@ DEFAULT_TIMEOUT_S = 600
 
 requires_vllm_oracle = pytest.mark.skipif(
     not os.environ.get(ENV_VAR),
-    reason=f"{ENV_VAR} is unset: no vLLM 0.33 oracle venv (CI sets it; locally: "
+    reason=f"{ENV_VAR} is unset: no vLLM oracle venv (CI sets it; locally: "
     f"export {ENV_VAR}=$(bash .ci/vllm-env | tail -n 1))",
 )
 
