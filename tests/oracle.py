@@ -1,4 +1,5 @@
-"""vLLM as the judge (the default release, 0.34; 0.33 of the architecture matrix too), from the main (torch-free) test venv: thin wrappers over tests/vllm_oracle/.
+"""vLLM as the judge (the default release, 0.34; 0.33 of the architecture matrix too), from the main
+(torch-free) test venv: thin wrappers over tests/vllm_oracle/.
 
 The oracle scripts run under the separate vLLM venv that `.ci/vllm-env` builds; `.ci/test` exports its
 python as STREAMCTL_VLLM_PYTHON. Without that variable (local development without the 4 GB env) tests that
