@@ -413,6 +413,12 @@ class Location:
             return None
         return self.store.url(self.key(name) if name else self.prefix)
 
+    def metadata_at_completion(self) -> bool:
+        """Whether an upload here takes its metadata when it completes, at no cost (Scheme.metadata_at_completion:
+        a local file's extended attributes are written then anyway; a bucket fixes metadata at the start)."""
+        scheme = SCHEMES.get(self.store.scheme)
+        return scheme is not None and scheme.metadata_at_completion
+
     @property
     def url(self) -> str:
         return self.store.url(self.prefix)

@@ -42,8 +42,7 @@ from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, Str
 from streamctl.interrupts import Shielded
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MultipartUpload, ObjectInfo, Store
-from streamctl.storage.schemes import SCHEMES
+from streamctl.storage.base import HeldPart, Location, MultipartUpload, ObjectInfo
 from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
 from streamctl.transfer.parts import PartBuffers, resume_token
 from streamctl.transfer.plan import FilePlan, TransferOptions
@@ -218,7 +217,7 @@ class Engine:
         if file.size <= part_size:
             return self._copy_small(file, task)
         sha256 = file.sha256
-        if sha256 is None and not _sha256_at_completion(store):
+        if sha256 is None and not self.dest.metadata_at_completion():
             # A bucket fixes an object's metadata when its upload starts (S3: a late one costs a server-side
             # copy of the object), so the digest is known first; a local file takes it at completion.
             sha256 = hash_object(self.source, file.path, file.size, self.options.retry)
@@ -283,7 +282,7 @@ class Engine:
         """Every part of `file` read (each on its own, or from `stream`), hashed in order and sent; on any
         failure, returns only once every part has given its budget back."""
         # The git blob sha1 checks a file only when no sha256 is known before the copy (hub files outside LFS).
-        unknown = file.sha256 is None and _sha256_at_completion(self.dest.store)
+        unknown = file.sha256 is None and self.dest.metadata_at_completion()
         chain = _HashChain(Digests(file.size, with_git_sha1=unknown and file.git_sha1 is not None))
         futures: list[Future[None]] = []
         try:
@@ -399,10 +398,3 @@ class Engine:
         if uploads:
             shown = ", ".join(sorted(self.dest.relative(upload.key) for upload in uploads)[:5])
             self.progress.log(f"left {len(uploads)} unfinished upload(s) for the next run to resume: {shown}")
-
-
-def _sha256_at_completion(store: Store) -> bool:
-    """Whether an upload into `store` takes its sha256 metadata at completion at no cost (the scheme table's
-    Scheme.metadata_at_completion)."""
-    scheme = SCHEMES.get(store.scheme)
-    return scheme is not None and scheme.metadata_at_completion
