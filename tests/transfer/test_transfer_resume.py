@@ -66,6 +66,9 @@ class KilledAfterParts:
                     raise Killed()
                 upload.upload_part(index, data)
 
+            def kernel_copier(self) -> None:
+                return None  # parts carry the bytes, so the process dies exactly at part k
+
             def abort(self) -> None:
                 pass  # a killed process aborts nothing
 
@@ -102,6 +105,18 @@ class CountingStore:
             def upload_part(self, index: int, data: bytes) -> None:
                 count(key, len(data))
                 upload.upload_part(index, data)
+
+            def kernel_copier(self) -> Any:
+                copy = upload.kernel_copier()
+                if copy is None:
+                    return None
+
+                def counted(source_fd: int, offset: int, length: int) -> int:
+                    copied = copy(source_fd, offset, length)
+                    count(key, copied)
+                    return copied
+
+                return counted
 
         return Upload()
 
@@ -378,6 +393,9 @@ class LinkLostAfterParts(KilledAfterParts):
                 if index >= limit:
                     raise RemoteError("connection reset by peer (injected)")
                 upload.upload_part(index, data)
+
+            def kernel_copier(self) -> None:
+                return None  # parts carry the bytes, so the link is lost exactly at part k
 
         return Upload()
 

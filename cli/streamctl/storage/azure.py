@@ -345,6 +345,9 @@ class AzureMultipartUpload:
     def positional_writer(self) -> None:
         return None  # parts are the only way to write an object here
 
+    def kernel_copier(self) -> None:
+        return None
+
     def abort(self) -> None:
         # Nothing to send: see the module docstring for why uncommitted blocks are harmless.
         with self._lock:

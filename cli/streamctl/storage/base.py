@@ -175,6 +175,11 @@ class HeldPart:
 # Writes bytes at any offset of an upload's object: `write(offset, data)` (see MultipartUpload.positional_writer).
 PositionalWrite = Callable[[int, "bytes | memoryview"], None]
 
+# Copies `length` bytes at `offset` of an open local file (a descriptor) to the same offset of an upload's object
+# inside the kernel; returns how many it copied, fewer only where the source ended (see
+# MultipartUpload.kernel_copier).
+KernelCopy = Callable[[int, int, int], int]
+
 
 class MultipartUpload(Protocol):
     """An upload in parts; nothing is visible under `key` until `complete()` returns."""
@@ -209,6 +214,12 @@ class MultipartUpload(Protocol):
         """A capability: where the object can be written at any offset (a local file), the function that
         does, which spares a writer streaming in order the copy that assembling parts takes; None where
         parts are the only way (buckets). Either way `complete()` and `abort()` end the upload."""
+        ...
+
+    def kernel_copier(self) -> KernelCopy | None:
+        """A capability: where the object is a local file, the function that copies a range of another local
+        file into it inside the kernel (copy_file_range: no byte passes through user space, NFS 4.2 copies on
+        the server); None for buckets. A copier is a positional write whose bytes come from a file."""
         ...
 
 

@@ -280,6 +280,9 @@ class GCSMultipartUpload:
     def positional_writer(self) -> None:
         return None  # parts are the only way to write an object here
 
+    def kernel_copier(self) -> None:
+        return None
+
     def abort(self) -> None:
         with self._lock:
             if self._state == "completed" or self._cleaned:

@@ -307,6 +307,9 @@ class S3MultipartUpload:
     def positional_writer(self) -> None:
         return None  # parts are the only way to write an object here
 
+    def kernel_copier(self) -> None:
+        return None
+
     def abort(self) -> None:
         with self._lock:
             if self._state != "open":

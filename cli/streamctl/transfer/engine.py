@@ -8,8 +8,11 @@ hashed and sent from it without a copy. Each file's sha256 is computed in flight
 the upload is completed only when it matches the source's (the hub's LFS sha256, or the git blob sha1
 of small files); otherwise it is aborted and the file retried once from scratch. A source that publishes
 no sha256 (a local folder) is hashed before its upload starts when DEST is a bucket, which fixes metadata
-then; into a local folder it is not: each byte is read once, the digest computed in flight is stored at
-completion, and the source's size and version are checked again first (a file that changed is refused).
+then; into a local folder it is not: the digest computed in flight is stored at completion, and the source's
+size and version are checked again first (a file that changed is refused). From a local folder into one,
+a new upload's bytes never pass through this process: the kernel copies each part (copy_file_range, as cp
+does; NFS 4.2 on the server) while one task reads the source in order beside it for the digests, so the
+copy and the hash run side by side on two cores instead of one after the other.
 
 Why it is resumable: nothing is visible under a final name until its upload completes, each object
 stores its sha256 as metadata, and a re-run skips objects whose size and stored sha256 match. Inside a
@@ -23,6 +26,7 @@ storage.base.HeldPart); any other is sent again. Uploads of other plans are disc
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,12 +44,16 @@ from streamctl.dest.uploads import (
 )
 from streamctl.errors import IntegrityError, RangeIgnoredError, RemoteError, StreamctlError
 from streamctl.interrupts import Shielded
+from streamctl.oserrors import from_os_error
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.storage.base import HeldPart, Location, MultipartUpload, ObjectInfo
-from streamctl.transfer.hashing import GIT_SHA1_KEY, Digests, hash_object, mismatch
+from streamctl.storage.base import HeldPart, KernelCopy, Location, MultipartUpload, ObjectInfo
+from streamctl.transfer.hashing import GIT_SHA1_KEY, HASH_CHUNK, Digests, hash_object, mismatch
 from streamctl.transfer.parts import PartBuffers, resume_token
 from streamctl.transfer.plan import FilePlan, TransferOptions
+
+# A kernel copy's step: progress and a stop signal are seen once per step.
+KERNEL_COPY_CHUNK = 16 * MiB
 
 
 class _ChecksumMismatch(Exception):
@@ -241,16 +249,16 @@ class Engine:
         # its record (the upload would stay open, unknown to the clean-up that aborts the others).
         upload = self.shielded(start_and_record) if self.shielded is not None else start_and_record()
         held_parts = {part.index: part for part in upload.held_parts()}
+        # Local to local, a fresh upload: the kernel copies, a reader hashes beside it (a resumed upload checks
+        # each held part against the source's bytes, so it takes the parts' way).
+        copier = upload.kernel_copier() if not held_parts else None
+        open_file: Callable[[str], int] | None = getattr(self.source.store, "open_file", None)
         kept = False
         try:
-            try:
-                chain = self._send_parts(file, upload, part_size, held_parts, task, None)
-            except RangeIgnoredError as ignored:
-                stream = self._one_stream(file, ignored)
-                try:  # every part again, from the one stream (parts sent already are simply replaced)
-                    chain = self._send_parts(file, upload, part_size, held_parts, task, stream)
-                finally:
-                    stream.close()
+            if copier is not None and open_file is not None:
+                chain = self._copy_in_kernel(file, copier, open_file, part_size, task)
+            else:
+                chain = self._send_in_parts(file, upload, part_size, held_parts, task)
             problem = mismatch(chain.digests, sha256, file.git_sha1)
             if problem:
                 raise _ChecksumMismatch(problem)
@@ -269,6 +277,76 @@ class Engine:
             if not kept:
                 with self.lock:
                     self.open_uploads.pop(id(upload), None)
+
+    def _send_in_parts(
+        self, file: FilePlan, upload: MultipartUpload, part_size: int, held_parts: Mapping[int, HeldPart], task: int
+    ) -> _HashChain:
+        try:
+            return self._send_parts(file, upload, part_size, held_parts, task, None)
+        except RangeIgnoredError as ignored:
+            stream = self._one_stream(file, ignored)
+            try:  # every part again, from the one stream (parts sent already are simply replaced)
+                return self._send_parts(file, upload, part_size, held_parts, task, stream)
+            finally:
+                stream.close()
+
+    def _copy_in_kernel(
+        self, file: FilePlan, copy: KernelCopy, open_file: Callable[[str], int], part_size: int, task: int
+    ) -> _HashChain:
+        """`file` copied part by part inside the kernel (several parts at once, no buffer in between) while one
+        task reads the source in order and hashes it: the copy no longer waits for the hash, so the two run
+        side by side. Returns once every task has ended; the first failure is raised."""
+        unknown = file.sha256 is None and self.dest.metadata_at_completion()
+        chain = _HashChain(Digests(file.size, with_git_sha1=unknown and file.git_sha1 is not None))
+        key = self.source.key(file.path)
+        source_fd = open_file(key)
+        futures: list[Future[None]] = []
+        try:
+            futures.append(self.parts.submit(self._hash_source, source_fd, key, chain))
+            for start in range(0, file.size, part_size):
+                length = min(part_size, file.size - start)
+                futures.append(self.parts.submit(self._copy_part, copy, source_fd, key, start, length, task, chain))
+            for future in futures:
+                future.result()
+            return chain
+        except BaseException:
+            chain.fail()
+            for future in futures:
+                future.exception()  # wait: none may use the descriptor once it is closed
+            raise
+        finally:
+            os.close(source_fd)
+
+    def _hash_source(self, source_fd: int, key: str, chain: _HashChain) -> None:
+        """The source's bytes, read in order from `source_fd` and fed to the file's digests."""
+        buffer = bytearray(HASH_CHUNK)
+        view = memoryview(buffer)
+        size, offset = chain.digests.size, 0
+        while offset < size:
+            if self.cancelled.is_set() or chain.failed:
+                raise Cancelled()
+            try:
+                count = os.preadv(source_fd, [view[: min(HASH_CHUNK, size - offset)]], offset)
+            except OSError as error:
+                raise from_os_error(error, self.source.store.url(key)) from None
+            if not count:
+                raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
+            chain.digests.update(view[:count])
+            offset += count
+
+    def _copy_part(
+        self, copy: KernelCopy, source_fd: int, key: str, start: int, length: int, task: int, chain: _HashChain
+    ) -> None:
+        """One part copied by the kernel, in chunks, so that progress moves and a stop is seen within one."""
+        offset, end = start, start + length
+        while offset < end:
+            if self.cancelled.is_set() or chain.failed:
+                raise Cancelled()
+            count = copy(source_fd, offset, min(KERNEL_COPY_CHUNK, end - offset))
+            if not count:
+                raise IntegrityError(f"{self.source.store.url(key)}: source ended early (changed during the copy?)")
+            offset += count
+            self._sent(task, count)
 
     def _send_parts(
         self,
