@@ -398,6 +398,26 @@ def test_tune_without_the_streamer_names_the_extra(demo_model: Path) -> None:
     assert "streamctl[streamer]" in result.stderr
 
 
+def test_tune_imports_nothing_from_the_current_folder(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe runs with -P: a module in the folder streamctl is started from (a checkout's own
+    runai_model_streamer.py) is never imported in place of the installed one."""
+    import importlib.util
+
+    if importlib.util.find_spec("runai_model_streamer") is not None:
+        pytest.skip("the streamer is installed here: the stray module would be shadowed either way")
+    marker = tmp_path / "stray-imported"
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "runai_model_streamer.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit(99)\n")
+    monkeypatch.chdir(work)
+    result = run_cli("serve", str(demo_model), "--tune", "--json")
+    assert not marker.exists()  # the stray module never ran
+    assert result.exit_code == 127, result.stderr  # the installed streamer's absence, as without the stray one
+    assert "streamctl[streamer]" in result.stderr
+
+
 # ------------------------------------------------------------------------------------------ vLLM as the judge
 
 from oracle import check_serve_args_many, oracle_python, requires_vllm_oracle

@@ -80,7 +80,9 @@ def sample_files(shards: Sequence[ObjectInfo], budget_bytes: int) -> list[Object
 def _probe(paths: Sequence[str], concurrency: int, env: Mapping[str, str], python: str) -> TuneSample:
     with tempfile.NamedTemporaryFile(prefix="streamctl-streamer-", suffix=".log") as log:
         completed = subprocess.run(
-            [python, "-m", "streamctl.serve.streamer_probe"],
+            # -P: the current folder is not put first on sys.path, so a stray module there (a checkout's own
+            # runai_model_streamer.py, a json.py) cannot stand in for what the probe imports.
+            [python, "-P", "-m", "streamctl.serve.streamer_probe"],
             input=json.dumps({"paths": list(paths)}),
             capture_output=True,
             text=True,
