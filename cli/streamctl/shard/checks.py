@@ -130,8 +130,15 @@ def check_reconstruction(
     problems: list[str] = []
     written = read_written_headers(dest, plan.pattern, problems)
     checker = _Reconstruction(source, dest, plan, policy, written, dtype_from_files, chunk)
-    task = progress.task("Checking reconstruction", sum(len(stage.tensors) for stage in plan.stages))
-    work = [(stage.pp_rank, tensor) for stage in plan.stages for tensor in stage.tensors]
+    # A `--worker` run checks its own share's parts (the other workers check theirs).
+    work = [
+        (stage.pp_rank, tensor)
+        for stage in plan.stages
+        for index, part in enumerate(stage.parts)
+        if plan.writes_part(stage.pp_rank, index)
+        for tensor in part
+    ]
+    task = progress.task("Checking reconstruction", len(work))
     sources_checked: set[str] = set()
     bytes_compared = 0
     # Tensors are checked side by side: reads and comparisons release the GIL, and one thread alone
