@@ -568,7 +568,11 @@ def render_shard_result(result: ShardResult) -> None:
     if result.skipped:
         removed += f"; {plural(len(result.skipped), 'rank file')} unchanged since the previous run (skipped)"
     if result.worker is not None and result.share is not None:
-        done = "the set is complete" if result.share.complete else f"{len(result.share.finished)} of {result.share.count} done"
+        done = (
+            "the set is complete"
+            if result.share.complete
+            else f"{len(result.share.finished)} of {result.share.count} done"
+        )
         removed += f"; worker {result.worker}: {plural(len(plan.share or ()), 'part')}, {done}"
     print_phrases(console, [
         f"[bold green]done[/] {escape(plan.dest)}", f"({escape(layout)},", f"engine {result.engine}):",

@@ -79,13 +79,19 @@ NamespaceOption = Annotated[
 ServiceAccountOption = Annotated[
     str | None,
     typer.Option(
-        "--service-account", metavar="NAME", help="Pod service account (workload identity).", rich_help_panel="Kubernetes"
+        "--service-account",
+        metavar="NAME",
+        help="Pod service account (workload identity).",
+        rich_help_panel="Kubernetes",
     ),
 ]
 SecretOption = Annotated[
     str | None,
     typer.Option(
-        "--secret", metavar="NAME", help="Secret whose keys become env vars (HF_TOKEN, ...).", rich_help_panel="Kubernetes"
+        "--secret",
+        metavar="NAME",
+        help="Secret whose keys become env vars (HF_TOKEN, ...).",
+        rich_help_panel="Kubernetes",
     ),
 ]
 ImageOption = Annotated[

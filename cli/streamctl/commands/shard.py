@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 from enum import Enum
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -189,12 +189,7 @@ def command(
     )
     options.validate()
     source_url = resolve_source_url(source)
-    check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
-    if k8s_job:
-        _check_job(source_url, ctx.params)
-    refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
-    refuse_together(ctx, "k8s_job", "worker", "the Job gives each pod its share (use --parallelism N)")
-    check_option_scope(ctx, [source_url, dest])
+    _check_modes(ctx, source_url, k8s_job)
     if k8s_job:
         _print_job(ctx, source_url, options.layer_partition)
         return
@@ -209,12 +204,19 @@ def command(
     output.emit(result)
 
 
-def _check_job(source_url: str, given: dict[str, Any]) -> None:
-    """What --k8s-job refuses before any other check: a local SOURCE or DEST, a name Kubernetes would refuse."""
+def _check_modes(ctx: typer.Context, source_url: str, k8s_job: bool) -> None:
+    """The Kubernetes options only with --k8s-job, which refuses a local SOURCE or DEST and names Kubernetes
+    would refuse (before any other check), --json and --worker; then the storage options' scope."""
     from streamctl.k8s import check_transfer_job
 
-    names = {key: given[key] for key in ("namespace", "service_account", "secret", "image")}
-    check_transfer_job(source_url, given["dest"], **names)
+    given = ctx.params
+    check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
+    if k8s_job:
+        names = {key: given[key] for key in ("namespace", "service_account", "secret", "image")}
+        check_transfer_job(source_url, given["dest"], **names)
+    refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    refuse_together(ctx, "k8s_job", "worker", "the Job gives each pod its share (use --parallelism N)")
+    check_option_scope(ctx, [source_url, given["dest"]])
 
 
 # Options the Job's pods are not given, and why: the Job is how this command runs (--k8s-job and its own

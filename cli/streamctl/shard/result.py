@@ -105,7 +105,6 @@ class ShardResult:
             **({"worker": self._worker_json()} if self.worker else {}),
         }
 
-
     def _worker_json(self) -> dict[str, Any]:
         assert self.worker is not None
         parts = sorted(self.plan.share or ())
@@ -135,7 +134,9 @@ def completed_manifest(result: ShardResult) -> ShardManifest:
     return plan_record(result.plan, result.engine, manifest_ranks(result.files), copied).stamped()
 
 
-def plan_record(plan: ShardPlan, engine: Engine, ranks: tuple[Rank, ...], files: tuple[FileEntry, ...]) -> ShardManifest:
+def plan_record(
+    plan: ShardPlan, engine: Engine, ranks: tuple[Rank, ...], files: tuple[FileEntry, ...]
+) -> ShardManifest:
     """The completed manifest of `plan` with these rank and serving files (not stamped)."""
     return ShardManifest(
         complete=True,

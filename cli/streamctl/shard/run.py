@@ -185,7 +185,9 @@ def _write_share(
             f"run every --worker K/{share.worker.count} of this split"
         )
     if recorded.share is not None and not recorded.share.complete:
-        progress.log(f"worker {share.worker}: share recorded; {len(recorded.share.finished)} of {share.worker.count} done")
+        progress.log(
+            f"worker {share.worker}: share recorded; {len(recorded.share.finished)} of {share.worker.count} done"
+        )
     return replace(recorded, worker=share.worker, seconds=time.monotonic() - started)
 
 

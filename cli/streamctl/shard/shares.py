@@ -88,16 +88,18 @@ def nothing_to_do(plan: ShardPlan) -> bool:
     return bool(plan.reused) and all(file.name in plan.reused for file in plan.own_files())
 
 
-def _merge_ranks(ranks: Iterable[Rank], planned: set[str]) -> tuple[Rank, ...]:
-    """Ranks with the same (pp_rank, tp_rank) merged, a later file of one path replacing an earlier one,
-    each rank's parts in order; files the plan does not name are dropped."""
+def _merge_ranks(plan: ShardPlan, ranks: Iterable[Rank]) -> tuple[Rank, ...]:
+    """The rank files of `ranks` grouped by the plan's (pp_rank, tp_rank), a later entry of one path replacing
+    an earlier one, each rank's parts in order; entries the plan does not name are dropped."""
+    planned = {file.name: file for file in plan.files()}
     files: dict[tuple[int, int], dict[str, RankFile]] = {}
     for rank in ranks:
         for file in rank.files:
-            if file.path in planned:
-                files.setdefault((rank.pp_rank, rank.tp_rank), {})[file.path] = file
+            where = planned.get(file.path)
+            if where is not None:
+                files.setdefault((where.pp_rank, where.tp_rank), {})[file.path] = file
     return tuple(
-        Rank(pp_rank, tp_rank, tuple(sorted(by_path.values(), key=lambda file: file.part)))
+        Rank(pp_rank, tp_rank, tuple(sorted(by_path.values(), key=lambda file: planned[file.path].part)))
         for (pp_rank, tp_rank), by_path in sorted(files.items())
     )
 
@@ -109,13 +111,18 @@ def _serving_entries(plan: ShardPlan, entries: Iterable[FileEntry]) -> tuple[Fil
 
 
 def _in_progress(
-    plan: ShardPlan, engine: Engine, share: ShardShare, finished: Iterable[int], ranks: Iterable[Rank], files: Iterable[FileEntry]
+    plan: ShardPlan,
+    engine: Engine,
+    share: ShardShare,
+    finished: Iterable[int],
+    ranks: Iterable[Rank],
+    files: Iterable[FileEntry],
 ) -> ShardManifest:
     """The split's record while shares are still to run: `"complete": false`, every planned file named (a
     later --force knows them all), and the older streamctl files, including what --force will remove."""
     names = {file.name for file in plan.files()}
     older = {*plan.stale, *(item.path for item in plan.left_alone if item.streamctl)}
-    record = plan_record(plan, engine, _merge_ranks(ranks, names), _serving_entries(plan, files))
+    record = plan_record(plan, engine, _merge_ranks(plan, ranks), _serving_entries(plan, files))
     return replace(
         record,
         complete=False,
