@@ -158,8 +158,7 @@ def _write_share(
     discarded = discard_unfinished_uploads(dest, ours, progress, lease.acquired_at)
     _log_share(plan, share, progress)
     done = nothing_to_do(plan)  # DEST holds this plan complete, this share's files unchanged
-    if not done:
-        begin_share(dest, plan, engine.name, share, lease.guard_commit)
+    restarted = not done and begin_share(dest, plan, engine.name, share, lease.guard_commit)
     copied = copy_serving_files(run.source, dest, serving, options.retry) if not done else ()
     written = engine.write(run, plan)
     write_seconds = time.monotonic() - started
@@ -178,7 +177,7 @@ def _write_share(
         return checked
 
     lease.ensure_held()
-    recorded = record_share(dest, result, share, complete, lease.guard_commit)
+    recorded = record_share(dest, result, share, complete, lease.guard_commit, restarted)
     if recorded.share is not None and recorded.share.restarted:
         progress.log(
             "the shard manifest recorded the shares of another split or plan; it records this one's from now on: "

@@ -134,12 +134,15 @@ def _in_progress(
 
 def begin_share(
     dest: Location, plan: ShardPlan, engine: Engine, share: ShardShare, before_write: Callable[[], None]
-) -> None:
+) -> bool:
     """Before this worker writes: DEST's manifest made the split's record, `"complete": false`, unless it
-    already is one of this split. Replacing a complete manifest of this plan, the shares whose files are all
-    still right stay finished (their files recorded), so only the shares that rewrite anything run again."""
+    already is one of this split. The shares whose files DEST holds right for this very plan (a complete
+    run's, or another count's split of it) count as finished, their files recorded, so only the shares that
+    rewrite anything run again. Whether it replaced the record of another split or plan."""
+    replaced: list[bool] = []
 
     def begin(stored: ShardManifest | None) -> ShardManifest | None:
+        replaced[:] = [stored is not None and stored.workers is not None and not _same_split(stored, share)]
         if _same_split(stored, share) and not is_complete(stored):
             return None  # another worker of this split began it: its record stays
         intact = [
@@ -156,6 +159,7 @@ def begin_share(
         return _in_progress(plan, engine, share, intact, ranks, files)
 
     replace_conditionally(dest, ShardManifest, begin, before_write)
+    return any(replaced)
 
 
 def _names(plan: ShardPlan, parts: frozenset[Part]) -> list[str]:
@@ -184,10 +188,12 @@ def record_share(
     share: ShardShare,
     complete: Callable[[], ShardResult],
     before_write: Callable[[], None],
+    restarted: bool = False,
 ) -> ShardResult:
     """Merge this worker's checked files into the split's record (see the module's doc); the worker whose
     share completes it first runs `complete` (the whole set's checks and --force's removals, returning the
-    result with them) and writes the manifest `"complete": true`. The result, with the shares finished."""
+    result with them) and writes the manifest `"complete": true`. The result, with the shares finished
+    (`restarted` also when begin_share replaced the record of another split)."""
     plan, index, count = result.plan, share.worker.index, share.worker.count
     completion = _Completion(complete)
     records: list[ShareRecord] = []
@@ -197,15 +203,15 @@ def record_share(
     def merge(stored: ShardManifest | None) -> ShardManifest | None:
         same = _same_split(stored, share)
         if stored is not None and is_complete(stored) and (same or nothing_to_do(plan)):
-            records.append(ShareRecord(tuple(range(count)), count))
+            records.append(ShareRecord(tuple(range(count)), count, restarted))
             return None  # the set is complete already, with this share's very files
         before = stored if same and stored is not None else None
         workers = before.workers if before is not None else None
         finished = sorted({*(workers.finished or () if workers else ()), index})
         ranks = [*(before.ranks if before else ()), *ours]
         files = [*(before.files if before else ()), *copied]
-        restarted = stored is not None and stored.workers is not None and not same
-        records.append(ShareRecord(tuple(finished), count, restarted))
+        other = stored is not None and stored.workers is not None and not same
+        records.append(ShareRecord(tuple(finished), count, restarted or other))
         manifest = _in_progress(plan, result.engine, share, finished, ranks, files)
         if len(finished) < count:
             return manifest
