@@ -5,9 +5,6 @@ whole set's checks. Re-running a worker is harmless; workers of different splits
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,8 +12,7 @@ from typing import Any
 import pytest
 
 from cli_helpers import run_cli
-from streamctl.checkpoint.files import SHARD_MANIFEST_NAME
-from streamctl.dest.manifests import ShardManifest, parse_manifest
+from split_helpers import assert_same_as_one_run, contents, manifest_of, run_together, shard_manifest
 from streamctl.dest.shares import Worker
 from streamctl.errors import UsageError
 from streamctl.shard.plan import ShardOptions
@@ -30,35 +26,6 @@ from tiny_models import write_tiny_checkpoint
 
 # Small parts, so that three workers each get some: 4 parts of both TP ranks for the tiny Llama.
 OPTIONS = ShardOptions(tensor_parallel_size=2, max_part_size=40_000, engine="offline")
-# What differs between one run's manifest and a split's: when it was written, and the split's record.
-RUN_FIELDS = ("created", "started", "workers")
-
-
-def contents(location: Location) -> dict[str, bytes]:
-    """Every file of DEST (relative name -> bytes)."""
-    return {
-        location.relative(info.key): location.store.read_range(info.key, 0, info.size) for info in location.list()
-    }
-
-
-def manifest_of(files: dict[str, bytes]) -> dict[str, Any]:
-    document: dict[str, Any] = json.loads(files[SHARD_MANIFEST_NAME])
-    return {key: value for key, value in document.items() if key not in RUN_FIELDS}
-
-
-def shard_manifest(location: Location) -> ShardManifest:
-    key = location.key(SHARD_MANIFEST_NAME)
-    manifest = parse_manifest(ShardManifest, location.store.read_range(key, 0, location.store.stat(key).size))
-    assert manifest is not None
-    return manifest
-
-
-def assert_same_as_one_run(split: dict[str, bytes], whole: dict[str, bytes]) -> None:
-    assert sorted(split) == sorted(whole)
-    for name, body in whole.items():
-        if name != SHARD_MANIFEST_NAME:
-            assert split[name] == body, name
-    assert manifest_of(split) == manifest_of(whole)
 
 
 @pytest.fixture
@@ -95,7 +62,7 @@ def test_n_workers_write_one_runs_files_and_the_last_completes_the_manifest(
         written |= mine
         manifest = shard_manifest(dest)
         last = step == count - 1
-        assert manifest.complete is (True if last else False)
+        assert manifest.complete is last
         assert manifest.workers is not None and manifest.workers.finished == tuple(sorted(order[: step + 1]))
         assert (result.verify is not None) is last  # verify-index --sharded: the worker completing the set
         assert result.reconstruction is not None and result.reconstruction.ok  # each checks its own parts
@@ -120,28 +87,6 @@ def test_the_split_is_balanced_by_bytes_and_holds_every_part_once(source: Locati
         sizes = [sum(file.size for file in plan.files() if (file.pp_rank, file.part) in share) for share in shares]
         largest_part = max(sum(f.size for f in plan.files() if (f.pp_rank, f.part) == part) for part in parts)
         assert max(sizes) - min(sizes) <= largest_part
-
-
-def _start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "streamctl", *argv],
-        env={**os.environ, **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def run_together(argvs: list[list[str]], env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """The commands as processes started at once; each one's --json document (all must exit 0)."""
-    processes = [_start(argv, env) for argv in argvs]
-    documents = []
-    for process in processes:
-        out, err = process.communicate(timeout=600)
-        assert process.returncode == 0, err
-        documents.append(json.loads(out))
-    return documents
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -182,7 +127,7 @@ def test_rerunning_a_worker_is_harmless(source: Location, whole: dict[str, bytes
     path.write_bytes(b"\0" * size)
     repaired = shard_checkpoint(source, dest, worker_options(2, 3))
     assert repaired.ok and repaired.share is not None and repaired.share.complete
-    assert 0 < repaired.bytes_written and damaged not in repaired.skipped
+    assert repaired.bytes_written > 0 and damaged not in repaired.skipped
     assert_same_as_one_run(contents(dest), whole)
 
 
