@@ -15,7 +15,7 @@ from cli_helpers import run_cli
 from split_helpers import assert_same_as_one_run, contents, manifest_of, run_together, shard_manifest
 from streamctl.dest.shares import Worker
 from streamctl.errors import UsageError
-from streamctl.shard.plan import ShardOptions
+from streamctl.shard.plan import ShardOptions, ShardPlan
 from streamctl.shard.run import shard_checkpoint
 from streamctl.shard.shares import take_share
 from streamctl.storage import open_location
@@ -103,6 +103,27 @@ def test_three_worker_processes_at_once_write_one_runs_files(
     assert completer["checks"]["verify"]["ok"] is True
     dest = open_location(root)
     assert_same_as_one_run(contents(dest), whole)
+
+
+def test_more_workers_than_parts_leave_the_extra_shares_nothing_to_do(
+    source: Location, whole: dict[str, bytes], local_root: str
+) -> None:
+    dest = open_location(local_root)
+    count = 10  # the tiny model has 4 parts
+    busy = [index for index in range(count) if take_share(_plan(source), Worker(index, count))[1].parts]
+    assert len(busy) == 4
+    for index in busy:  # the empty shares need not run: they count as finished from the start
+        shard_checkpoint(source, dest, worker_options(index, count))
+    assert shard_manifest(dest).complete is True
+    assert_same_as_one_run(contents(dest), whole)
+    idle = shard_checkpoint(source, dest, worker_options(9, count))  # and running one is harmless
+    assert idle.ok and idle.files == () and idle.share is not None and idle.share.complete
+
+
+def _plan(source: Location) -> ShardPlan:
+    from streamctl.shard.planning import plan_shard
+
+    return plan_shard(source, open_location("/nonexistent-dest"), OPTIONS)
 
 
 def test_rerunning_a_worker_is_harmless(source: Location, whole: dict[str, bytes], local_root: str) -> None:
