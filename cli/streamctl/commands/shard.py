@@ -194,9 +194,8 @@ def command(
         _print_job(ctx, source_url, options.layer_partition)
         return
     keep_freed_buffers_in_the_heap()
-    storage = storage_options(
-        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token
-    )
+    storage = storage_options(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account,
+                              token=token)  # fmt: skip
     source_location = open_location(source_url, replace(storage, follow_symlinks=follow_symlinks))
     dest_location = open_destination(dest, storage)
     with output.progress(byte_counts=True) as progress:
