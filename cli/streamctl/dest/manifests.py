@@ -218,7 +218,8 @@ class SourceFile:
 
 @dataclass(frozen=True, slots=True)
 class Workers:
-    """A `transfer --worker K/N` copy's record: how many shares, of which plan, which have finished."""
+    """A `--worker K/N` split's record (transfer's copy, or a shard run): how many shares, of which plan
+    (its digest), which have finished."""
 
     count: int | None
     plan: str | None

@@ -84,9 +84,10 @@ def plan_digest(source: str, commit: str | None, files: Sequence[tuple[str, int]
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def manifest_incomplete(manifest: TransferManifest) -> str | None:
-    """Why a transfer manifest does not describe a finished copy (None when it does, see
-    streamctl.dest.manifests.is_complete): only `--worker` runs write `"complete": false`."""
+def manifest_incomplete(manifest: TransferManifest | ShardManifest) -> str | None:
+    """Why a manifest does not describe a finished run (None when it does, see
+    streamctl.dest.manifests.is_complete): for a transfer only `--worker` runs write `"complete": false`; a
+    shard manifest without a split's record is a whole run's, not finished."""
     if is_complete(manifest):
         return None
     workers = manifest.workers
