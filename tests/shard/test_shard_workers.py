@@ -67,8 +67,8 @@ def test_n_workers_write_one_runs_files_and_the_last_completes_the_manifest(
         assert (result.verify is not None) is last  # verify-index --sharded: the worker completing the set
         assert result.reconstruction is not None and result.reconstruction.ok  # each checks its own parts
         if not last and backend == "local":
-            findings = {finding.code for finding in verify_checkpoint(dest).findings}
-            assert SHARD_INCOMPLETE_CODE in findings  # serve and verify-index refuse it meanwhile
+            incomplete = [f for f in verify_checkpoint(dest).findings if f.code == SHARD_INCOMPLETE_CODE]
+            assert incomplete and "still to run: --worker" in incomplete[0].message  # refused meanwhile
     assert_same_as_one_run(contents(dest), whole)
     assert len(written) == sum(1 for name in whole if name.startswith("model-rank-"))
 
@@ -205,3 +205,16 @@ def test_a_wrong_worker_is_exit_2_with_one_line(extra: list[str], message: str, 
 def test_vllm_gpu_is_refused_for_a_split_by_the_library_too(source: Location, tmp_path: Path) -> None:
     with pytest.raises(UsageError, match="cannot be split between workers"):
         shard_checkpoint(source, open_location(str(tmp_path / "out")), worker_options(0, 2, engine="vllm-gpu"))
+
+
+def test_a_whole_run_and_workers_of_another_count_wait_for_a_live_worker(source: Location, local_root: str) -> None:
+    from streamctl.dest.lease import hold_lease
+    from streamctl.errors import DestinationBusy
+    from streamctl.progress import NULL_PROGRESS
+
+    dest = open_location(local_root)
+    with hold_lease(dest, "streamctl shard SOURCE --worker 0/2", NULL_PROGRESS, worker=Worker(0, 2)):
+        for options in (OPTIONS, worker_options(0, 3), worker_options(0, 2)):
+            with pytest.raises(DestinationBusy):
+                shard_checkpoint(source, dest, options)
+        assert shard_checkpoint(source, dest, worker_options(1, 2)).ok  # another share of the same split runs
