@@ -18,9 +18,9 @@ _streamctl() {
             case "$prev" in
                 --dtype) COMPREPLY=($(compgen -W "auto bfloat16 float16 float32" -- "$cur")); return ;;
                 --engine) COMPREPLY=($(compgen -W "auto offline vllm-cpu vllm-gpu vllm" -- "$cur")); return ;;
-                --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--vllm-python|--data-parallel-size|-dp|--token|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+                --tensor-parallel-size|-tp|--pipeline-parallel-size|-pp|--pattern|--max-part-size|--vllm-version|--vllm-python|--data-parallel-size|-dp|--worker|--namespace|--service-account|--secret|--image|--parallelism|--token|--endpoint-url|--azure-account) COMPREPLY=($(compgen -f -- "$cur")); return ;;
             esac
-            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --vllm-python --enable-expert-parallel --data-parallel-size -dp --force --follow-symlinks --token --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
+            opts="--tensor-parallel-size -tp --pipeline-parallel-size -pp --pattern --max-part-size --dtype --vllm-version --engine --vllm-python --enable-expert-parallel --data-parallel-size -dp --force --worker --k8s-job --namespace --service-account --secret --image --parallelism --follow-symlinks --token --endpoint-url --path-style --virtual-host-style --azure-account --json --quiet -q --debug --help -h" ;;
         transfer)
             case "$prev" in
                 --repo-type) COMPREPLY=($(compgen -W "model dataset" -- "$cur")); return ;;

@@ -8,6 +8,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from streamctl.common.redact import has_credentials, mask_credentials
 from streamctl.common.sizes import GiB
@@ -156,23 +157,37 @@ IMAGE_HINT = (
 COMPLETION_INDEX = "JOB_COMPLETION_INDEX"  # what Kubernetes calls the pod's index in an Indexed Job
 
 
+# What a Job's pod asks for, by command: transfer streams through a bounded buffer; shard holds a layer or
+# two (offline: a few blocks), and its vllm-cpu engine a vLLM process building them (issue 24: peak 6.4 GB).
+JOB_RESOURCES: Mapping[str, Mapping[str, Mapping[str, str]]] = {
+    "transfer": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+    "shard": {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "16Gi"}},
+}
+
+
 def _job_container(
-    arguments: Sequence[str], image: str, parallelism: int | None, secret: str | None, env: Mapping[str, str]
+    verb: str,
+    arguments: Sequence[str],
+    image: str,
+    parallelism: int | None,
+    secret: str | None,
+    env: Mapping[str, str],
 ) -> dict[str, object]:
-    """The transfer container; in an Indexed Job each pod runs `--worker INDEX/N`, INDEX filled in by
+    """The command's container; in an Indexed Job each pod runs `--worker INDEX/N`, INDEX filled in by
     Kubernetes from the pod's completion index (`$(VAR)` in a command names an env var of the container)."""
     variables: list[dict[str, object]] = [{"name": key, "value": value} for key, value in sorted(env.items())]
-    command = ["streamctl", "transfer", *arguments]
+    command = ["streamctl", verb, *arguments]
     if parallelism is not None:
         index_field = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         variables.insert(0, {"name": COMPLETION_INDEX, "valueFrom": {"fieldRef": {"fieldPath": index_field}}})
         command.append(f"--worker=$({COMPLETION_INDEX})/{parallelism}")
+    resources = JOB_RESOURCES[verb]
     container: dict[str, object] = {
-        "name": "transfer",
+        "name": verb,
         "image": image,
         "command": command,
         "env": variables,
-        "resources": {"requests": {"cpu": "2", "memory": "1Gi"}, "limits": {"memory": "2Gi"}},
+        "resources": {kind: dict(values) for kind, values in resources.items()},
     }
     if secret:
         container["envFrom"] = [{"secretRef": {"name": secret}}]
@@ -209,7 +224,19 @@ def check_transfer_job(
     check_manifest_names(namespace=namespace, service_account=service_account, secret=secret, image=image)
 
 
-def transfer_job(
+def transfer_job(source: str, dest: str, arguments: Sequence[str], **settings: Any) -> dict[str, object]:
+    """The Job of `streamctl transfer SOURCE DEST ARGUMENTS` (see command_job)."""
+    return command_job("transfer", source, dest, arguments, **settings)
+
+
+def shard_job(source: str, dest: str, arguments: Sequence[str], **settings: Any) -> dict[str, object]:
+    """The Job of `streamctl shard SOURCE DEST ARGUMENTS` (see command_job): with `parallelism` N, pod K
+    writes share K of the rank files (`--worker K/N`, streamctl.shard.shares)."""
+    return command_job("shard", source, dest, arguments, **settings)
+
+
+def command_job(
+    verb: str,
     source: str,
     dest: str,
     arguments: Sequence[str],
@@ -225,8 +252,8 @@ def transfer_job(
     endpoint: str | None = None,
     azure_account: str | None = None,
 ) -> dict[str, object]:
-    """A Job that runs `streamctl transfer SOURCE DEST ARGUMENTS` in the cluster, next to the bucket; with
-    `parallelism` N, an Indexed Job of N pods, pod K copying share K of N (`--worker K/N`, streamctl.dest.shares).
+    """A Job that runs `streamctl VERB SOURCE DEST ARGUMENTS` (transfer, shard) in the cluster, next to the
+    bucket; with `parallelism` N, an Indexed Job of N pods, pod K doing share K of N (`--worker K/N`).
     Its name is derived from the places it copies between (k8s_names.derived_name: both locations, a Hub
     SOURCE with `revision`, S3 with `endpoint`, Azure with `azure_account`, as among ARGUMENTS), which its
     annotations hold.
@@ -243,8 +270,8 @@ def transfer_job(
     places = place_annotations(
         {SOURCE_ANNOTATION: source, DEST_ANNOTATION: dest}, revision=revision, endpoint=endpoint, account=azure_account
     )
-    name = derived_name("streamctl-transfer", *places.values(), limit=JOB_NAME_LIMIT)
-    container = _job_container([source, dest, *arguments], image, parallelism, secret, env)
+    name = derived_name(f"streamctl-{verb}", *places.values(), limit=JOB_NAME_LIMIT)
+    container = _job_container(verb, [source, dest, *arguments], image, parallelism, secret, env)
     # Never: a failed pod is replaced by a new one (what per-index retries and the failure policy require).
     pod_spec: dict[str, object] = {
         "restartPolicy": "OnFailure" if parallelism is None else "Never",

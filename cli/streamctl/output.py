@@ -567,6 +567,13 @@ def render_shard_result(result: ShardResult) -> None:
         removed += f"; discarded {plural(len(result.discarded), 'unfinished upload')} of an earlier run"
     if result.skipped:
         removed += f"; {plural(len(result.skipped), 'rank file')} unchanged since the previous run (skipped)"
+    if result.worker is not None and result.share is not None:
+        done = (
+            "the set is complete"
+            if result.share.complete
+            else f"{len(result.share.finished)} of {result.share.count} done"
+        )
+        removed += f"; worker {result.worker}: {plural(len(plan.share or ()), 'part')}, {done}"
     print_phrases(console, [
         f"[bold green]done[/] {escape(plan.dest)}", f"({escape(layout)},", f"engine {result.engine}):",
         f"{plural(len(result.files), 'weight file')} and", f"{plural(len(result.copied), 'serving file')}{removed};",
@@ -578,13 +585,16 @@ def render_shard_result(result: ShardResult) -> None:
 def render_shard_checks(result: ShardResult, to_stderr: bool = False) -> None:
     """Both post-write checks; the verify findings and reconstruction problems when they failed."""
     console = stderr() if to_stderr else stdout()
-    if not result.verify.ok:
+    if result.verify is not None and not result.verify.ok:
         render_verify_report(result.verify, to_stderr=to_stderr)
     reconstruction = result.reconstruction
     if reconstruction is not None and not reconstruction.ok:
         for problem in reconstruction.problems:
             console.print(f"[red]reconstruction:[/] {escape(problem)}", highlight=False)
-    verify = "[green]OK[/]" if result.verify.ok else "[bold red]FAILED[/]"
+    if result.verify is None:  # a `--worker` share that did not complete the set
+        verify = "[yellow]left to the worker completing the set[/]"
+    else:
+        verify = "[green]OK[/]" if result.verify.ok else "[bold red]FAILED[/]"
     if result.tensor_check is not None:
         for problem in (*result.tensor_check.problems, *(result.loader_check.problems if result.loader_check else ())):
             console.print(f"[red]tensor check:[/] {escape(problem)}", highlight=False)
@@ -618,7 +628,8 @@ def _vllm_cpu_checks(result: ShardResult) -> list[str]:
         "vLLM's ShardedStateLoader",
     ]
     if loader is None:
-        return [*phrases, "[yellow]skipped[/]", "(DEST is not a local folder)"]
+        why = "(the worker completing the set runs it)" if result.verify is None else "(DEST is not a local folder)"
+        return [*phrases, "[yellow]skipped[/]", why]
     assert isinstance(loader, LoaderCheckReport)
     state = "[green]OK[/]" if loader.ok else "[bold red]FAILED[/]"
     skipped = len(loader.ranks) - loader.checked

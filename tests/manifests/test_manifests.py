@@ -71,7 +71,7 @@ def test_transfer_workers_write_the_bytes_they_wrote_before(tmp_path: Path) -> N
             inputs.TRANSFER_SOURCE, inputs.TRANSFER_COMMIT, files, cleanup.older_files, cleanup.to_remove,
             inputs.WORKER_PLAN,
         )  # fmt: skip
-        record = record_share(dest, MANIFEST_NAME, fields, Worker(index, 2), inputs.WORKER_DIGEST)
+        record = record_share(dest, fields, Worker(index, 2), inputs.WORKER_DIGEST)
         assert record.complete is (index == 1)
         written = (tmp_path / "dest" / MANIFEST_NAME).read_bytes()
         assert written == golden(f"transfer-worker-{index}-of-2")

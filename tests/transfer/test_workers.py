@@ -276,7 +276,7 @@ def test_workers_recording_their_shares_at_once_leave_one_complete_manifest(
     def record(index: int) -> None:
         fields = ShareFields("hf://org/race", None, (FileEntry(order[index], index, "0" * 64),), (), (), order)
         barrier.wait()
-        record_share(dest, MANIFEST_NAME, fields, Worker(index, count), "d" * 32, lambda: completions.append(index))
+        record_share(dest, fields, Worker(index, count), "d" * 32, lambda: completions.append(index))
 
     threads = [threading.Thread(target=record, args=(index,)) for index in range(count)]
     for thread in threads:

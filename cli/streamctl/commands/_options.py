@@ -72,6 +72,49 @@ HfTokenOption = Annotated[
 ]
 
 
+# `--k8s-job`'s own section (transfer, shard): the Job these build is how the command runs, not a setting of it.
+NamespaceOption = Annotated[
+    str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")
+]
+ServiceAccountOption = Annotated[
+    str | None,
+    typer.Option(
+        "--service-account",
+        metavar="NAME",
+        help="Pod service account (workload identity).",
+        rich_help_panel="Kubernetes",
+    ),
+]
+SecretOption = Annotated[
+    str | None,
+    typer.Option(
+        "--secret",
+        metavar="NAME",
+        help="Secret whose keys become env vars (HF_TOKEN, ...).",
+        rich_help_panel="Kubernetes",
+    ),
+]
+ImageOption = Annotated[
+    str | None,
+    typer.Option(
+        "--image",
+        help="Image with streamctl installed (required: build it from the repository's Dockerfile).",
+        rich_help_panel="Kubernetes",
+    ),
+]
+ParallelismOption = Annotated[
+    int | None,
+    typer.Option(
+        "--parallelism",
+        metavar="N",
+        min=1,
+        max=10_000,
+        help="An Indexed Job of N pods, pod K doing share K of N (--worker K/N).",
+        rich_help_panel="Kubernetes",
+    ),
+]
+
+
 def apply_output_flags(json_output: bool, quiet: bool, debug: bool) -> None:
     output.configure(json_output=json_output, quiet=quiet, debug=debug)
 
@@ -198,3 +241,12 @@ def command_line(ctx: typer.Context, values: dict[str, object], leave_out: froze
         items = value if param.multiple and isinstance(value, (list, tuple)) else [value]
         arguments.extend(f"{flag}={item.value if isinstance(item, Enum) else item}" for item in items)
     return arguments
+
+
+def pod_arguments(ctx: typer.Context, not_for_the_pod: frozenset[str]) -> list[str]:
+    """Every other option of this run, as parsed, for a Job pod's `streamctl COMMAND SOURCE DEST ...`: all but
+    `not_for_the_pod` and the Kubernetes section's (the Job is built from those)."""
+    kubernetes = {param.name for param in ctx.command.params if getattr(param, "rich_help_panel", None) == "Kubernetes"}
+    # --debug and --quiet count before the command too (`streamctl --debug transfer`): the run's own settings
+    values = {**ctx.params, "debug": output.settings.debug, "quiet": output.settings.quiet}
+    return command_line(ctx, values, not_for_the_pod | {name for name in kubernetes if name})

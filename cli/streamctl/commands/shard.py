@@ -16,11 +16,18 @@ from streamctl.commands._options import (
     EndpointOption,
     FollowSymlinksOption,
     HfTokenOption,
+    ImageOption,
     JsonOption,
+    NamespaceOption,
+    ParallelismOption,
     PathStyleOption,
     QuietOption,
+    SecretOption,
+    ServiceAccountOption,
     apply_output_flags,
+    check_mode_options,
     check_option_scope,
+    refuse_together,
     storage_options,
 )
 
@@ -115,6 +122,23 @@ def command(
             "--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."
         ),
     ] = False,
+    worker: Annotated[
+        str | None,
+        typer.Option(
+            "--worker",
+            metavar="K/N",
+            help="Write share K of N (K from 0 to N-1): whole parts of every TP rank, balanced by bytes; N runs "
+            "anywhere, together or not, write it all, and the last completes the manifest.",
+        ),
+    ] = None,
+    k8s_job: Annotated[
+        bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this shard in-cluster.")
+    ] = False,
+    namespace: NamespaceOption = "default",
+    service_account: ServiceAccountOption = None,
+    secret: SecretOption = None,
+    image: ImageOption = None,
+    parallelism: ParallelismOption = None,
     follow_symlinks: FollowSymlinksOption = False,
     token: HfTokenOption = None,
     endpoint_url: EndpointOption = None,
@@ -141,6 +165,7 @@ def command(
     from streamctl.common.limits import MAX_OBJECT_SIZE
     from streamctl.common.memory import keep_freed_buffers_in_the_heap
     from streamctl.common.sizes import parse_size
+    from streamctl.dest.shares import parse_worker
     from streamctl.shard.plan import ENGINE_ALIASES
     from streamctl.shard.run import ShardOptions, shard_checkpoint
     from streamctl.storage import open_destination, open_location
@@ -159,20 +184,76 @@ def command(
         data_parallel_size=data_parallel_size,
         engine_logs=debug,
         force=force,
+        worker=parse_worker(worker) if worker is not None else None,
         layer_partition=os.environ.get("VLLM_PP_LAYER_PARTITION") or None,
     )
     options.validate()
     source_url = resolve_source_url(source)
-    check_option_scope(ctx, [source_url, dest])
+    _check_modes(ctx, source_url, k8s_job)
+    if k8s_job:
+        _print_job(ctx, source_url, options.layer_partition)
+        return
     keep_freed_buffers_in_the_heap()
-    storage = storage_options(
-        endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account, token=token
-    )
+    storage = storage_options(endpoint_url=endpoint_url, path_style=path_style, azure_account=azure_account,
+                              token=token)  # fmt: skip
     source_location = open_location(source_url, replace(storage, follow_symlinks=follow_symlinks))
     dest_location = open_destination(dest, storage)
     with output.progress(byte_counts=True) as progress:
         result = shard_checkpoint(source_location, dest_location, options, progress, pinned_source(source_location))
     output.emit(result)
+
+
+def _check_modes(ctx: typer.Context, source_url: str, k8s_job: bool) -> None:
+    """The Kubernetes options only with --k8s-job, which refuses a local SOURCE or DEST and names Kubernetes
+    would refuse (before any other check), --json and --worker; then the storage options' scope."""
+    from streamctl.k8s import check_transfer_job
+
+    given = ctx.params
+    check_mode_options(ctx, k8s_job, "--k8s-job", "Kubernetes")
+    if k8s_job:
+        names = {key: given[key] for key in ("namespace", "service_account", "secret", "image")}
+        check_transfer_job(source_url, given["dest"], **names)
+    refuse_together(ctx, "k8s_job", "json_output", "--k8s-job prints the Job as YAML")
+    refuse_together(ctx, "k8s_job", "worker", "the Job gives each pod its share (use --parallelism N)")
+    check_option_scope(ctx, [source_url, given["dest"]])
+
+
+# Options the Job's pods are not given, and why: the Job is how this command runs (--k8s-job and its own
+# section, Kubernetes, which it is built from); the pod gets its share from its index (--worker); the token is
+# a secret, read in the pod from --secret's HF_TOKEN; --json is refused with --k8s-job.
+NOT_FOR_THE_POD = frozenset({"k8s_job", "worker", "token", "json_output"})
+
+
+def _print_job(ctx: typer.Context, source_url: str, layer_partition: str | None) -> None:
+    """The Kubernetes Job that runs this shard in the cluster (every option given here, written back by the
+    command line serializer; VLLM_PP_LAYER_PARTITION as the pod's variable), as YAML on stdout."""
+    from streamctl import __version__
+    from streamctl.commands._options import pod_arguments
+    from streamctl.k8s import shard_job, to_yaml
+    from streamctl.storage.url import parse_url
+
+    given = ctx.params
+    if given["token"] and not given["secret"]:
+        output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
+    parsed = parse_url(source_url)
+    if given["parallelism"] and parsed.scheme == "hf" and not parsed.revision:
+        output.warn("each pod resolves the branch itself; pin it (ORG/NAME@COMMIT) so that all pods shard the same one")
+    job = shard_job(
+        source_url,
+        given["dest"],
+        pod_arguments(ctx, NOT_FOR_THE_POD),
+        namespace=given["namespace"],
+        image=given["image"],
+        version=__version__,
+        service_account=given["service_account"],
+        secret=given["secret"],
+        env={"VLLM_PP_LAYER_PARTITION": layer_partition} if layer_partition else {},
+        parallelism=given["parallelism"],
+        revision=parsed.revision,
+        endpoint=given["endpoint_url"],
+        azure_account=given["azure_account"],
+    )
+    typer.echo(to_yaml(job), nl=False)
 
 
 # The last section of `streamctl shard --help` (each command line fits 80 columns).

@@ -14,12 +14,18 @@ from streamctl.commands._options import (
     EndpointOption,
     FollowSymlinksOption,
     HfTokenOption,
+    ImageOption,
     JsonOption,
+    NamespaceOption,
+    ParallelismOption,
     PathStyleOption,
     QuietOption,
+    SecretOption,
+    ServiceAccountOption,
     apply_output_flags,
     check_mode_options,
     check_option_scope,
+    pod_arguments,
     refuse_together,
     storage_options,
 )
@@ -72,46 +78,11 @@ def command(
     k8s_job: Annotated[
         bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
     ] = False,
-    namespace: Annotated[
-        str, typer.Option("--namespace", metavar="NAME", help="Job namespace.", rich_help_panel="Kubernetes")
-    ] = "default",
-    service_account: Annotated[
-        str | None,
-        typer.Option(
-            "--service-account",
-            metavar="NAME",
-            help="Pod service account (workload identity).",
-            rich_help_panel="Kubernetes",
-        ),
-    ] = None,
-    secret: Annotated[
-        str | None,
-        typer.Option(
-            "--secret",
-            metavar="NAME",
-            help="Secret whose keys become env vars (HF_TOKEN, ...).",
-            rich_help_panel="Kubernetes",
-        ),
-    ] = None,
-    image: Annotated[
-        str | None,
-        typer.Option(
-            "--image",
-            help="Image with streamctl installed (required: build it from the repository's Dockerfile).",
-            rich_help_panel="Kubernetes",
-        ),
-    ] = None,
-    parallelism: Annotated[
-        int | None,
-        typer.Option(
-            "--parallelism",
-            metavar="N",
-            min=1,
-            max=10_000,
-            help="An Indexed Job of N pods, pod K copying share K of N (--worker K/N).",
-            rich_help_panel="Kubernetes",
-        ),
-    ] = None,
+    namespace: NamespaceOption = "default",
+    service_account: ServiceAccountOption = None,
+    secret: SecretOption = None,
+    image: ImageOption = None,
+    parallelism: ParallelismOption = None,
     endpoint_url: EndpointOption = None,
     path_style: PathStyleOption = None,
     azure_account: AzureAccountOption = None,
@@ -191,16 +162,6 @@ def _job_source(source_url: str, repo_type: RepoType | None) -> str:
     return format_hf_url(repo_type.value, parsed.bucket, parsed.revision, parsed.prefix)
 
 
-def _pod_arguments(ctx: typer.Context) -> list[str]:
-    """Every other option of this run, as parsed, for the pod's `streamctl transfer SOURCE DEST ...`."""
-    from streamctl.commands._options import command_line
-
-    kubernetes = {param.name for param in ctx.command.params if getattr(param, "rich_help_panel", None) == "Kubernetes"}
-    # --debug and --quiet count before the command too (`streamctl --debug transfer`): the run's own settings
-    values = {**ctx.params, "debug": output.settings.debug, "quiet": output.settings.quiet}
-    return command_line(ctx, values, NOT_FOR_THE_POD | {name for name in kubernetes if name})
-
-
 def _print_job(ctx: typer.Context, source_url: str) -> None:
     """The Kubernetes Job that runs this transfer in the cluster (every option given here, written back by
     the command line serializer), as YAML on stdout."""
@@ -208,7 +169,7 @@ def _print_job(ctx: typer.Context, source_url: str) -> None:
     from streamctl.k8s import to_yaml, transfer_job
 
     given = ctx.params
-    arguments = _pod_arguments(ctx)
+    arguments = pod_arguments(ctx, NOT_FOR_THE_POD)
     if given["token"] and not given["secret"]:
         output.log("note: the token is not written into the Job; put HF_TOKEN in a secret and pass --secret")
     if given["parallelism"] and source_url.startswith("hf://") and not given["revision"]:

@@ -17,8 +17,9 @@ its expiry) learns so at its next renewal and stops, and it renews once more rig
 manifest: after a renewal no other run can take the lease for `ttl_s`, so a manifest is only ever written
 by the lease's holder.
 
-`transfer --worker K/N` runs (streamctl.dest.shares) write one DEST together: each holds its own lease,
-LEASE_NAME + ".worker-K-of-N", with the same semantics, so two runs of one share exclude each other. A
+`transfer --worker K/N` and `shard --worker K/N` runs (streamctl.dest.shares, streamctl.shard.shares) write
+one DEST together: each holds its own lease, LEASE_NAME + ".worker-K-of-N", with the same semantics, so two
+runs of one share exclude each other. A
 whole-DEST run and worker runs exclude each other too, as do workers of different counts N: each run takes
 its own lease first, then looks for a live lease it conflicts with, and if it finds one it releases its own
 and stops. Of two such runs starting together at least one sees the other (every store here reads its own

@@ -218,7 +218,8 @@ class SourceFile:
 
 @dataclass(frozen=True, slots=True)
 class Workers:
-    """A `transfer --worker K/N` copy's record: how many shares, of which plan, which have finished."""
+    """A `--worker K/N` split's record (transfer's copy, or a shard run): how many shares, of which plan
+    (its digest), which have finished."""
 
     count: int | None
     plan: str | None
@@ -321,7 +322,7 @@ class ShardManifest:
     _KNOWN: ClassVar[tuple[str, ...]] = (
         "tool", "version", "created", "started", "complete", "source", "engine", "architecture",
         "tensor_parallel_size", "pipeline_parallel_size", "pattern", "vllm_version", "layout", "dtype",
-        "max_part_size", "source_files", "ranks", "files", "planned", "older_files",
+        "max_part_size", "source_files", "ranks", "files", "planned", "older_files", "workers",
     )  # fmt: skip
 
     complete: bool | None  # None: no key (versions before the flag wrote the manifest only at the end)
@@ -341,6 +342,9 @@ class ShardManifest:
     files: tuple[FileEntry, ...] = ()
     planned: tuple[str, ...] | None = None  # the started manifest's: what the run writes
     older_files: tuple[str, ...] = ()
+    # A `shard --worker K/N` split's record (streamctl.shard.shares): then the record is written whole from
+    # the start, `"complete": false` with the finished shares' files until the last share is in.
+    workers: Workers | None = None
     tool: str | None = None
     version: str | None = None
     created: str | None = None
@@ -366,7 +370,7 @@ class ShardManifest:
         }
         planned = {"planned": list(self.planned)} if self.planned is not None else {}
         older = {"older_files": list(self.older_files)}
-        if self.complete is False:
+        if self.complete is False and self.workers is None:
             return {**_header(self), **kind, **parallel, **planned, **older, **self.engine_settings, **self.extra}
         record = {
             "architecture": self.architecture,
@@ -380,7 +384,8 @@ class ShardManifest:
             "ranks": [rank.to_json() for rank in self.ranks],
             "files": [file.to_json() for file in self.files],
         }
-        return {**_header(self), **kind, **record, **older, **planned, **self.extra}
+        workers = {"workers": self.workers.to_json()} if self.workers is not None else {}
+        return {**_header(self), **kind, **record, **older, **planned, **workers, **self.extra}
 
     @classmethod
     def from_json(cls, value: object) -> ShardManifest | None:
@@ -406,6 +411,7 @@ class ShardManifest:
                 files=_items(document, "files", FileEntry.read),
                 planned=_optional_strings(document, "planned"),
                 older_files=_strings(document, "older_files"),
+                workers=None if document.get("workers") is None else Workers.read(document["workers"]),
                 tool=_opt(document, "tool", str),
                 version=_opt(document, "version", str),
                 created=_opt(document, "created", str),

@@ -19,9 +19,11 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from streamctl.dest.manifests import (
     FileEntry,
+    ShardManifest,
     TransferManifest,
     Workers,
     body_metadata,
@@ -82,9 +84,10 @@ def plan_digest(source: str, commit: str | None, files: Sequence[tuple[str, int]
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def manifest_incomplete(manifest: TransferManifest) -> str | None:
-    """Why a transfer manifest does not describe a finished copy (None when it does, see
-    streamctl.dest.manifests.is_complete): only `--worker` runs write `"complete": false`."""
+def manifest_incomplete(manifest: TransferManifest | ShardManifest) -> str | None:
+    """Why a manifest does not describe a finished run (None when it does, see
+    streamctl.dest.manifests.is_complete): for a transfer only `--worker` runs write `"complete": false`; a
+    shard manifest without a split's record is a whole run's, not finished."""
     if is_complete(manifest):
         return None
     workers = manifest.workers
@@ -203,33 +206,34 @@ def _merged(
     return manifest.stamped(), record
 
 
-def _read(dest: Location, key: str) -> tuple[TransferManifest | None, str | None]:
+_M = TypeVar("_M", TransferManifest, ShardManifest)
+
+
+def _read(dest: Location, kind: type[_M]) -> tuple[_M | None, str | None]:
     try:
-        data, version = dest.store.read_versioned(key)
+        data, version = dest.store.read_versioned(dest.key(kind.name))
     except NotFoundError:
         return None, None
-    return parse_manifest(TransferManifest, data), version  # None: not one this version can read
+    return parse_manifest(kind, data), version  # None: not one this version can read
 
 
-def record_share(
+def replace_conditionally(
     dest: Location,
-    name: str,
-    fields: ShareFields,
-    worker: Worker,
-    digest: str,
-    before_complete: Callable[[], None] = lambda: None,
+    kind: type[_M],
+    change: Callable[[_M | None], _M | None],
     before_write: Callable[[], None] = lambda: None,
-) -> ShareRecord:
-    """Merge this worker's share into the manifest `name` of `dest`, conditionally (see the module's doc).
-
-    `before_complete` runs before the write that completes the manifest (what --force removes), `before_write`
-    before every write (the lease's guard)."""
-    key = dest.key(name)
+) -> _M | None:
+    """Read DEST's manifest of `kind` (None: absent or unreadable), and write `change(it)` in its place only if
+    nobody wrote it meanwhile: create-if-absent, or replace-if-version of the copy read; when someone did,
+    read and change again. `change` returning None writes nothing. Returns what was written (or None).
+    `before_write` runs before every write (the lease's guard). The one way `--worker` runs (transfer's and
+    shard's) update the manifest they share."""
+    key = dest.key(kind.name)
     for _ in range(_RECORD_ATTEMPTS):
-        stored, version = _read(dest, key)
-        manifest, record = _merged(stored, fields, worker, digest)
-        if record.complete:
-            before_complete()
+        stored, version = _read(dest, kind)
+        manifest = change(stored)
+        if manifest is None:
+            return None
         body = manifest_body(manifest)
         metadata = body_metadata(body)
         before_write()
@@ -238,10 +242,35 @@ def record_share(
                 dest.store.create_if_absent(key, body, metadata)
             else:
                 dest.store.replace_if_version(key, body, version, metadata)
-            return record
+            return manifest
         except PreconditionFailed:
             continue  # another worker wrote it meanwhile (or our own write, retried): merge again
     raise DestinationBusy(
         f"{dest.store.url(key)} kept changing while this worker recorded its share",
         hint="run this worker again: its files are in place, and the re-run only records its share",
     )
+
+
+def record_share(
+    dest: Location,
+    fields: ShareFields,
+    worker: Worker,
+    digest: str,
+    before_complete: Callable[[], None] = lambda: None,
+    before_write: Callable[[], None] = lambda: None,
+) -> ShareRecord:
+    """Merge this worker's share into DEST's transfer manifest, conditionally (see the module's doc).
+
+    `before_complete` runs before the write that completes the manifest (what --force removes), `before_write`
+    before every write (the lease's guard)."""
+    records: list[ShareRecord] = []
+
+    def merge(stored: TransferManifest | None) -> TransferManifest:
+        manifest, record = _merged(stored, fields, worker, digest)
+        if record.complete:
+            before_complete()
+        records.append(record)
+        return manifest
+
+    replace_conditionally(dest, TransferManifest, merge, before_write)
+    return records[-1]

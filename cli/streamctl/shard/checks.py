@@ -4,7 +4,7 @@ the reconstruction check: every source element read back from the rank files and
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -62,15 +62,16 @@ class WrittenTensor:
 
 
 def read_written_headers(
-    dest: Location, pattern: str, problems: list[str]
+    dest: Location, pattern: str, problems: list[str], only: Container[str] | None = None
 ) -> dict[tuple[int, int], dict[str, WrittenTensor]]:
     """(pp_rank, tp_rank) -> tensor name -> where DEST's files hold it, from the headers of every file
-    that fits the pattern (what vLLM would load), not from the plan."""
+    that fits the pattern (what vLLM would load), not from the plan; `only`: of these files alone (a
+    `--worker` share's own, see own_names)."""
     by_rank: dict[tuple[int, int], dict[str, WrittenTensor]] = {}
     for info in dest.list():
         name = dest.relative(info.key)
         parsed = parse_sharded_name(pattern, name)
-        if parsed is None:
+        if parsed is None or (only is not None and name not in only):
             continue
         read = read_header(dest.store, info.key, info.size)
         rank = by_rank.setdefault((parsed.pp_rank, parsed.tp_rank), {})
@@ -84,6 +85,12 @@ def read_written_headers(
                 problems.append(f"{tensor.name}: in both {rank[tensor.name].file} and {name}")
             rank[tensor.name] = WrittenTensor(name, tensor.dtype, tensor.shape, start + tensor.begin, tensor.nbytes)
     return by_rank
+
+
+def own_names(plan: ShardPlan) -> frozenset[str] | None:
+    """The files a `--worker` share's checks read (its own: the others' may be in flight, and what --force
+    removes is removed only once every share is in); None for a whole run (every file of the pattern)."""
+    return None if plan.share is None else frozenset(file.name for file in plan.own_files())
 
 
 def same_bytes(ours: bytes | memoryview, theirs: bytes | memoryview) -> bool:
@@ -128,10 +135,17 @@ def check_reconstruction(
     picks its served dtype).
     """
     problems: list[str] = []
-    written = read_written_headers(dest, plan.pattern, problems)
+    written = read_written_headers(dest, plan.pattern, problems, own_names(plan))
     checker = _Reconstruction(source, dest, plan, policy, written, dtype_from_files, chunk)
-    task = progress.task("Checking reconstruction", sum(len(stage.tensors) for stage in plan.stages))
-    work = [(stage.pp_rank, tensor) for stage in plan.stages for tensor in stage.tensors]
+    # A `--worker` run checks its own share's parts (the other workers check theirs).
+    work = [
+        (stage.pp_rank, tensor)
+        for stage in plan.stages
+        for index, part in enumerate(stage.parts)
+        if plan.writes_part(stage.pp_rank, index)
+        for tensor in part
+    ]
+    task = progress.task("Checking reconstruction", len(work))
     sources_checked: set[str] = set()
     bytes_compared = 0
     # Tensors are checked side by side: reads and comparisons release the GIL, and one thread alone

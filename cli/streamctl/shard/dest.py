@@ -21,6 +21,7 @@ from streamctl.dest.ownership import Cleanup, plan_cleanup, unfollowed_links, wr
 from streamctl.dest.uploads import SHA256_KEY, list_dest
 from streamctl.errors import UsageError
 from streamctl.shard.plan import PlannedFile, ShardPlan
+from streamctl.shard.shares import plan_digest
 from streamctl.storage.base import LEASE_NAME, Location, ObjectInfo
 from streamctl.storage.names import check_names_fit
 
@@ -162,7 +163,11 @@ def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dic
     possibly empty). None otherwise: then DEST is treated as any other non-empty destination."""
     existing = state.existing
     manifest = state.manifests.shard
-    if manifest is None or not is_complete(manifest) or not plan.source_files:
+    if manifest is None or not plan.source_files:
+        return None
+    # A `--worker` split of this very plan still running (shard/shares.py) records its finished shares' files.
+    split = not is_complete(manifest) and manifest.workers is not None and manifest.workers.plan == plan_digest(plan)
+    if not is_complete(manifest) and not split:
         return None
     if any(etag is None for _, _, etag in plan.source_files):
         return None  # no way to tell that the source did not change
@@ -183,15 +188,20 @@ def _same_plan_before(dest: Location, plan: ShardPlan, state: _DestState) -> dic
         return None
     recorded = {file.path: (rank, file) for rank in manifest.ranks for file in rank.files}
     planned = plan.files()
-    if sorted(recorded) != sorted(file.name for file in planned):
+    names = {file.name for file in planned}
+    if not (set(recorded) <= names if split else set(recorded) == names):
         return None
     for file in planned:
+        if file.name not in recorded:
+            continue  # a share not finished yet
         rank, entry = recorded[file.name]
         if (rank.pp_rank, rank.tp_rank, entry.part, entry.size, entry.tensors) != _planned_entry(file):
             return None
     reused: dict[str, str] = {}
     for file in planned:
         found = existing.get(file.name)
+        if file.name not in recorded:
+            continue
         sha256 = recorded[file.name][1].sha256
         if found is None or found.size != file.size or sha256 is None:
             continue

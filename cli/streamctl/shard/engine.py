@@ -57,7 +57,7 @@ class CheckReport(Protocol):
 class Checks:
     """The checks of the written files: verify-index --sharded always, then what the engine adds."""
 
-    verify: VerifyReport
+    verify: VerifyReport | None  # None: a `--worker` share's own checks (the whole set's come with whole_checks)
     reconstruction: ReconstructionReport | None = None  # bit for bit against SOURCE (needs a layout table row)
     tensors: CheckReport | None = None
     loader: CheckReport | None = None
@@ -91,5 +91,11 @@ class ShardEngine(Protocol):
         ...
 
     def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:
-        """The checks of what `write` made (a failed one fails the run, exit 1, no completed manifest)."""
+        """The checks of what `write` made (a failed one fails the run, exit 1, no completed manifest). A
+        `--worker` share's (`plan.share` set): those of its own files only, without verify-index."""
+        ...
+
+    def whole_checks(self, run: EngineRun, plan: ShardPlan) -> Checks:
+        """The checks of the whole set, which the `--worker` run completing it runs (shard/shares.py):
+        verify-index --sharded, and what the engine checks only of complete ranks."""
         ...

@@ -18,6 +18,7 @@ from streamctl.checkpoint.vllm_layouts import VOCAB_PADDING, LayoutRow, Split, p
 from streamctl.common.limits import check_parallel_sizes, shown_number
 from streamctl.common.sizes import GiB, MiB
 from streamctl.dest.ownership import LeftAlone
+from streamctl.dest.shares import Worker
 from streamctl.errors import UsageError
 from streamctl.retry import RetryPolicy
 
@@ -59,6 +60,7 @@ class ShardOptions:
     data_parallel_size: int = 1  # only 1: see validate
     engine_logs: bool = False  # vllm-cpu: forward vLLM's own log lines (the worker's stderr) to the progress log
     force: bool = False
+    worker: Worker | None = None  # `--worker K/N`: write share K of N (streamctl.shard.shares)
     layer_partition: str | None = None  # VLLM_PP_LAYER_PARTITION, e.g. "5,5,6"
     upload_chunk: int = UPLOAD_CHUNK  # part size of bucket uploads
     read_block: int = READ_BLOCK  # block size of the reads (and of the check's comparisons)
@@ -109,6 +111,12 @@ class ShardOptions:
                 "and ranks of different replicas cannot hold different experts",
                 hint="shard for one replica (--data-parallel-size 1) and serve every replica from the same files",
                 code="bad-option-value",
+            )
+        if self.worker is not None and self.engine == "vllm-gpu":
+            raise UsageError(
+                f"--worker {self.worker} with --engine vllm-gpu: vLLM's own save names its files as it writes "
+                "them, so they cannot be split between workers beforehand",
+                hint="use --engine vllm-cpu or offline (or auto) for a split run",
             )
         if self.enable_expert_parallel and self.engine == "offline":
             raise UsageError(
@@ -239,6 +247,9 @@ class ShardPlan:
     # Settings of the engine beyond the table's, recorded in the manifest and compared by a re-run
     # (vllm-cpu: expert parallelism, served dtype, build shims, quantization method).
     engine_settings: Mapping[str, Any] = field(default_factory=dict)
+    # `--worker K/N`: the (pp_rank, part) this run writes, every TP rank of each (streamctl.shard.shares);
+    # None: every part. The plan itself stays whole: every worker names, and checks names against, every file.
+    share: frozenset[tuple[int, int]] | None = None
 
     @property
     def layout(self) -> str:
@@ -247,9 +258,21 @@ class ShardPlan:
     def files(self) -> list[PlannedFile]:
         return [file for stage in self.stages for file in stage_files(self, stage)]
 
+    def writes_part(self, pp_rank: int, part: int) -> bool:
+        """Whether this run writes part `part` of stage `pp_rank` (a `--worker` run: only its share's)."""
+        return self.share is None or (pp_rank, part) in self.share
+
+    def own_files(self) -> list[PlannedFile]:
+        """The rank files this run writes: every planned one, or a `--worker` run's share."""
+        return [file for file in self.files() if self.writes_part(file.pp_rank, file.part)]
+
     @property
     def total_bytes(self) -> int:
         return sum(file.size for file in self.files())
+
+    @property
+    def own_bytes(self) -> int:
+        return sum(file.size for file in self.own_files())
 
     @classmethod
     def for_run(
@@ -396,7 +419,7 @@ def _file_header(tensors: Sequence[PlannedTensor]) -> bytes:
 
 def skipped_files(plan: ShardPlan) -> frozenset[str]:
     """The rank files a re-run leaves as they are: every TP rank of a part reused (they are cut from the
-    same reads, so a part is skipped or written for all ranks together)."""
+    same reads, so a part is skipped or written for all ranks together); a `--worker` run's, of its share."""
     if not plan.reused:
         return frozenset()
     skipped: set[str] = set()
@@ -404,6 +427,6 @@ def skipped_files(plan: ShardPlan) -> frozenset[str]:
         files = stage_files(plan, stage)
         for part_index in range(len(stage.parts)):
             names = [file.name for file in files if file.part == part_index]
-            if all(name in plan.reused for name in names):
+            if plan.writes_part(stage.pp_rank, part_index) and all(name in plan.reused for name in names):
                 skipped.update(names)
     return frozenset(skipped)

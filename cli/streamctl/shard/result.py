@@ -9,6 +9,7 @@ from typing import Any
 
 from streamctl.checkpoint.files import notes_to_json
 from streamctl.dest.manifests import FileEntry, Rank, RankFile, ShardManifest, SourceFile, TensorEntry, put_manifest
+from streamctl.dest.shares import ShareRecord, Worker
 from streamctl.dest.uploads import CopiedFile
 from streamctl.errors import VerificationFailed
 from streamctl.shard.checks import ReconstructionReport
@@ -29,7 +30,7 @@ class ShardResult:
     bytes_written: int
     seconds: float  # the whole run: plan, write, copy and both checks
     write_seconds: float  # planning and writing the weights, until every file is complete
-    verify: VerifyReport
+    verify: VerifyReport | None  # None: a `--worker` share that did not complete the set (the last one checks it)
     reconstruction: ReconstructionReport | None  # None: no layout table row (vllm-gpu, vllm-cpu)
     discarded: tuple[str, ...] = ()  # unfinished uploads of earlier runs removed first
     notes: tuple[ListingNote, ...] = ()  # SOURCE entries left out (FIFOs, links not followed) or read through links
@@ -37,6 +38,8 @@ class ShardResult:
     tensor_check: CheckReport | None = None  # vllm-cpu: every tensor re-read against vLLM's rank model
     loader_check: CheckReport | None = None  # vllm-cpu, local DEST: vLLM's ShardedStateLoader on the files
     engine_report: Mapping[str, Any] = field(default_factory=dict)  # what the engine says of its run (vllm-cpu)
+    worker: Worker | None = None  # `--worker K/N`: which share this run wrote (plan.share: its parts)
+    share: ShareRecord | None = None  # `--worker`: the shares finished once this one went into the manifest
 
     @property
     def checks_failed(self) -> tuple[str, ...]:
@@ -93,13 +96,20 @@ class ShardResult:
             "write_seconds": round(self.write_seconds, 3),
             "throughput_mb_s": round(self.throughput_mb_s, 2),
             "checks": {
-                "verify": self.verify.to_json(),
+                "verify": self.verify.to_json() if self.verify else None,
                 "reconstruction": self.reconstruction.to_json() if self.reconstruction else None,
                 "tensors": self.tensor_check.to_json() if self.tensor_check else None,
                 "vllm_loader": self.loader_check.to_json() if self.loader_check else None,
             },
             **({"engine_report": dict(self.engine_report)} if self.engine_report else {}),
+            **({"worker": self._worker_json()} if self.worker else {}),
         }
+
+    def _worker_json(self) -> dict[str, Any]:
+        assert self.worker is not None
+        parts = sorted(self.plan.share or ())
+        record = self.share.to_json() if self.share else {"finished": None, "complete": False, "restarted": False}
+        return {**self.worker.to_json(), **record, "parts": [{"pp_rank": pp, "part": part} for pp, part in parts]}
 
 
 class ShardCheckFailed(VerificationFailed):
@@ -120,11 +130,18 @@ class ShardCheckFailed(VerificationFailed):
 def completed_manifest(result: ShardResult) -> ShardManifest:
     """The completed manifest: the run's settings, every rank file (size, sha256, tensors), the serving files
     copied, and the older streamctl files left in DEST."""
-    plan = result.plan
+    copied = tuple(FileEntry(file.path, file.size, file.sha256) for file in result.copied)
+    return plan_record(result.plan, result.engine, manifest_ranks(result.files), copied).stamped()
+
+
+def plan_record(
+    plan: ShardPlan, engine: Engine, ranks: tuple[Rank, ...], files: tuple[FileEntry, ...]
+) -> ShardManifest:
+    """The completed manifest of `plan` with these rank and serving files (not stamped)."""
     return ShardManifest(
         complete=True,
         source=plan.source,
-        engine=result.engine,
+        engine=engine,
         architecture=plan.dims.architecture,
         tensor_parallel_size=plan.tensor_parallel_size,
         pipeline_parallel_size=plan.pipeline_parallel_size,
@@ -135,10 +152,10 @@ def completed_manifest(result: ShardResult) -> ShardManifest:
         dtype=plan.dtype,
         max_part_size=plan.max_part_size,
         source_files=tuple(SourceFile(*entry) for entry in plan.source_files),
-        ranks=manifest_ranks(result.files),
-        files=tuple(FileEntry(file.path, file.size, file.sha256) for file in result.copied),
+        ranks=ranks,
+        files=files,
         older_files=tuple(item.path for item in plan.left_alone if item.streamctl),
-    ).stamped()
+    )
 
 
 def write_shard_manifest(dest: Location, result: ShardResult) -> None:

@@ -160,6 +160,8 @@ class _Writer:
         futures: list[Future[None]] = []
         try:
             for part_index in range(len(stage.parts)):
+                if not self.plan.writes_part(stage.pp_rank, part_index):
+                    continue  # another `--worker` share's
                 part_files = [file for file in files if file.part == part_index]
                 if all(file.name in skip for file in part_files):
                     # The TP ranks of one part are cut from the same reads: skipped together, or written together.
@@ -350,7 +352,7 @@ def write_sharded(
     plan: ShardPlan, source: Location, dest: Location, options: ShardOptions, progress: Progress = NULL_PROGRESS
 ) -> tuple[tuple[WrittenFile, ...], int]:
     """Write every planned file and complete them all at the end; a failure aborts every upload."""
-    task = progress.task("Writing sharded state", plan.total_bytes)
+    task = progress.task("Writing sharded state", plan.own_bytes)
     open_streams: list[PartStream] = []
     cancelled = threading.Event()
     try:

@@ -99,8 +99,7 @@ def _finish(
         plan.source, plan.commit, _entries(files), cleanup.older_files, cleanup.to_remove, plan.share.planned, force
     )
     lease.ensure_held()
-    record = record_share(dest, MANIFEST_NAME, fields, plan.share.worker, plan.share.digest,
-                          remove_replaced, lease.guard_commit)  # fmt: skip
+    record = record_share(dest, fields, plan.share.worker, plan.share.digest, remove_replaced, lease.guard_commit)
     if record.restarted:
         progress.log(
             f"{MANIFEST_NAME} recorded the shares of another split or plan (other files, revision or worker count); "

@@ -20,6 +20,7 @@ from streamctl.checkpoint.sharded_names import (
     validate_pattern,
 )
 from streamctl.dest.manifests import MAX_MANIFEST_BYTES, ShardManifest, is_complete, parse_manifest
+from streamctl.dest.shares import manifest_incomplete
 from streamctl.errors import UsageError
 from streamctl.storage.base import Location
 from streamctl.verify.reading import Listing, Reads, ShardHeader, read_small
@@ -217,6 +218,12 @@ def check_shard_manifest(location: Location, listing: Listing, findings: Finding
             SHARD_INCOMPLETE_CODE,
             SHARD_MANIFEST_NAME,
             "the shard manifest is unreadable, so the run's completion is unknown",
+        )
+    elif not is_complete(manifest) and manifest.workers is not None:  # a `shard --worker K/N` split
+        findings.error(
+            SHARD_INCOMPLETE_CODE,
+            SHARD_MANIFEST_NAME,
+            f"a `streamctl shard --worker` split is writing here and is not complete: {manifest_incomplete(manifest)}",
         )
     elif not is_complete(manifest):
         findings.error(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 from streamctl.checkpoint.files import listing_notes, log_notes
-from streamctl.shard.checks import check_written
+from streamctl.shard.checks import check_reconstruction, check_verify, check_written
 from streamctl.shard.dest import plan_dest
 from streamctl.shard.engine import Checks, EngineRun, Written
 from streamctl.shard.plan import Engine, ShardPlan
@@ -56,7 +56,15 @@ class OfflineEngine:
         return Written(files, bytes_written)
 
     def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:
+        if plan.share is not None:  # a `--worker` share: its own parts bit for bit; the set is checked at the end
+            own = check_reconstruction(
+                run.source, run.dest, plan, run.options.retry, run.progress, chunk=run.options.read_block
+            )
+            return Checks(None, own)
         verify, reconstruction = check_written(
             run.source, run.dest, plan, run.options, run.progress, dtype_from_files=False
         )
         return Checks(verify, reconstruction)
+
+    def whole_checks(self, run: EngineRun, plan: ShardPlan) -> Checks:
+        return Checks(check_verify(run.dest, plan, run.progress))

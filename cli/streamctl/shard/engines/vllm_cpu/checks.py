@@ -16,7 +16,7 @@ from typing import Any
 from streamctl.dest.uploads import Cancelled
 from streamctl.progress import NULL_PROGRESS, Progress
 from streamctl.retry import RetryPolicy, with_retries
-from streamctl.shard.checks import RECONSTRUCTION_THREADS, WrittenTensor, read_written_headers
+from streamctl.shard.checks import RECONSTRUCTION_THREADS, WrittenTensor, own_names, read_written_headers
 from streamctl.shard.plan import READ_BLOCK, ShardPlan
 from streamctl.storage.base import Location
 
@@ -129,7 +129,7 @@ def check_tensor_digests(
     """Re-read every tensor the worker sent from DEST's files (located by their own headers) and compare
     its sha256 with the worker's; tensors side by side on a few threads."""
     problems: list[str] = []
-    written = read_written_headers(dest, plan.pattern, problems)
+    written = read_written_headers(dest, plan.pattern, problems, own_names(plan))
     checker = _DigestCheck(dest, policy, chunk)
     work: Sequence[tuple[str, WrittenTensor | None, str]] = [
         (f"{name} (PP stage {pp_rank}, TP rank {tp_rank})", written.get((pp_rank, tp_rank), {}).get(name), sha256)

@@ -290,7 +290,7 @@ def _write_request(plan: ShardPlan, skip: frozenset[str]) -> dict[str, Any]:
         parts = [
             [tensor.name for tensor in files[index * plan.tensor_parallel_size].tensors]
             for index in range(len(stage.parts))
-            if files[index * plan.tensor_parallel_size].name not in skip
+            if files[index * plan.tensor_parallel_size].name not in skip and plan.writes_part(stage.pp_rank, index)
         ]
         stages.append({"pp_rank": stage.pp_rank, "parts": parts})
     return {"op": "write", "stages": stages}
@@ -438,7 +438,7 @@ def write_routed(
 ) -> RoutedWrite:
     """Ask the worker for every part not reused, write each tensor frame into its file, complete every
     upload at the end; any failure (a frame off the plan, the worker gone, Ctrl-C) aborts them all."""
-    task = progress.task("Writing sharded state", plan.total_bytes)
+    task = progress.task("Writing sharded state", plan.own_bytes)
     streams: list[PartStream] = []
     skip = skipped_files(plan)
     written: list[WrittenFile] = []
@@ -453,6 +453,8 @@ def write_routed(
             for stage in plan.stages:
                 files = stage_files(plan, stage)
                 for part in range(len(stage.parts)):
+                    if not plan.writes_part(stage.pp_rank, part):
+                        continue  # another `--worker` share's
                     part_files = [file for file in files if file.part == part]
                     if part_files[0].name in skip:
                         written.extend(_reused(plan, part_files))
@@ -562,8 +564,9 @@ class VllmCpuEngine:
         """vLLM's loader check runs in the worker while this process runs its own two checks."""
         dest, options, progress = run.dest, run.options, run.progress
         assert self._routed is not None
-        loader_check_started = self._start_loader_check(dest, plan)
-        verify = check_verify(dest, plan, progress)
+        whole = plan.share is None  # a `--worker` share checks its own tensors; whole_checks the rest at the end
+        loader_check_started = whole and self._start_loader_check(dest, plan)
+        verify = check_verify(dest, plan, progress) if whole else None
         digests = check_tensor_digests(
             dest,
             plan,
@@ -573,8 +576,18 @@ class VllmCpuEngine:
             reused_files=len(skipped_files(plan)),
             chunk=options.read_block,
         )
-        loader = self._loader_check(self._routed) if loader_check_started else None
+        written_ranks = {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in self._routed.digests}
+        loader = self._loader_check(written_ranks) if loader_check_started else None
         return Checks(verify, None, digests, loader)
+
+    def whole_checks(self, run: EngineRun, plan: ShardPlan) -> Checks:
+        """The `--worker` run completing the set: verify-index, and vLLM's loader on every rank (local DEST;
+        the tensors this worker did not send are checked by name, shape and dtype, their bytes by their own
+        worker's digests)."""
+        every_rank = sorted({(file.pp_rank, file.tp_rank) for file in plan.files()})
+        started = self._start_loader_check(run.dest, plan, every_rank)
+        verify = check_verify(run.dest, plan, run.progress)
+        return Checks(verify, None, None, self._loader_check(set(every_rank)) if started else None)
 
     def _start_worker(self, options: ShardOptions, progress: Progress) -> VllmWorker:
         if self._worker is None:
@@ -595,26 +608,31 @@ class VllmCpuEngine:
             raise RuntimeError("the vllm-cpu engine has not planned yet")
         return self._planned
 
-    def _start_loader_check(self, dest: Location, plan: ShardPlan) -> bool:
-        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only);
-        ranks that would take more than half the memory available now are skipped by the worker."""
+    def _start_loader_check(
+        self, dest: Location, plan: ShardPlan, ranks: Sequence[tuple[int, int]] | None = None
+    ) -> bool:
+        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only):
+        the ranks it sent tensors of, or `ranks`; ranks that would take more than half the memory available
+        now are skipped by the worker."""
         folder = local_path(dest)
         if folder is None:
             return False
         memory = available_memory()
-        request = {
+        request: dict[str, Any] = {
             "op": "check",
             "dest_dir": folder,
             "pattern": plan.pattern,
             "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
         }
+        if ranks is not None:
+            request["ranks"] = [list(rank) for rank in ranks]
         self._running().request(request)
         return True
 
-    def _loader_check(self, routed: RoutedWrite) -> LoaderCheckReport:
-        """The worker's answer to `_start_loader_check`."""
+    def _loader_check(self, ranks: set[tuple[int, int]]) -> LoaderCheckReport:
+        """The worker's answer to `_start_loader_check`; every rank of `ranks` must be in it."""
         worker = self._running()
         frame = worker.receive(self._plan().read_source)
         if frame.get("type") != "checked":
             raise worker.failure(f"the vLLM worker answered a check request with a {frame.get('type')!r} frame")
-        return LoaderCheckReport.from_frame(frame, {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in routed.digests})
+        return LoaderCheckReport.from_frame(frame, ranks)

@@ -59,7 +59,9 @@ def op_check(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
         raise WorkerError("protocol", "check needs a plan and a dest_dir")
     loader_name, limit = check_loader(), request.get("max_rank_bytes")
     ranks = []
-    for pp_rank, tp_rank in sorted(plan.sent):
+    # "ranks": a `--worker` run completing a split checks every rank, not only those it sent tensors of
+    asked = sorted({(int(pp), int(tp)) for pp, tp in request["ranks"]}) if request.get("ranks") else sorted(plan.sent)
+    for pp_rank, tp_rank in asked:
         size = sum(planned_nbytes(t) for t in plan.stages[pp_rank].values())
         entry: dict[str, Any] = {"pp_rank": pp_rank, "tp_rank": tp_rank, "ok": False, "tensors": 0, "problems": []}
         if limit is not None and size > int(limit):
@@ -67,7 +69,7 @@ def op_check(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
         else:
             channel.log(f"checking rank (pp {pp_rank}, tp {tp_rank}) with vLLM's {loader_name} loader", force=True)
             entry["problems"] = check_rank(plan, pp_rank, tp_rank, request, loader_name)
-            entry.update(ok=not entry["problems"], tensors=len(plan.sent[(pp_rank, tp_rank)]), skipped=None)
+            entry.update(ok=not entry["problems"], tensors=len(plan.sent.get((pp_rank, tp_rank), {})), skipped=None)
         ranks.append(entry)
     channel.send({"type": "checked", "loader": loader_name, "ranks": ranks, "peak_rss_mib": peak_rss_mib()})
 

@@ -26,7 +26,7 @@ from streamctl.errors import MissingProgramError, UsageError
 from streamctl.interrupts import shielded_calls
 from streamctl.progress import Progress
 from streamctl.retry import with_retries
-from streamctl.shard.checks import check_written
+from streamctl.shard.checks import check_verify, check_written
 from streamctl.shard.dest import RunKind, check_dest, check_shard_names
 from streamctl.shard.engine import Checks, EngineRun, Written
 from streamctl.shard.plan import Engine, ModelDims, ShardOptions, ShardPlan
@@ -147,6 +147,10 @@ class VllmGpuEngine:
             run.source, run.dest, plan, run.options, run.progress, dtype_from_files=True
         )
         return Checks(verify, reconstruction)
+
+    def whole_checks(self, run: EngineRun, plan: ShardPlan) -> Checks:
+        """Never reached: run_shard refuses --worker for this engine (its files are named as vLLM saves them)."""
+        return Checks(check_verify(run.dest, plan, run.progress))
 
     def _planned(self) -> _SourcePlan:
         if self._source_plan is None:
