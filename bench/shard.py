@@ -72,6 +72,8 @@ from benchlib import (
     run_measured,
     scratch_dir,
 )
+from shard_real import RealCase, run_real_case
+from shard_shapes import REAL_SHAPES
 from streamctl.checkpoint.safetensors import encode_safetensors_header
 from streamctl.shard.engines.vllm_cpu.client import WORKER_MODULE, plan_request, start_worker
 
@@ -298,11 +300,12 @@ def is_worker(argv: tuple[str, ...]) -> bool:
     return WORKER_MODULE in argv
 
 
-def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str]) -> ShardRun | None:
-    """One `streamctl shard` run from the same starting point as cp's; its output is removed afterwards."""
-    out = scratch / f"tp{tp}"
-    settle(scratch / "hf", drop)
-    command = [*STREAMCTL, "shard", str(scratch / "hf"), str(out), "-tp", str(tp), *engine, "--json"]
+def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str], source: Path | None = None) -> ShardRun | None:
+    """One `streamctl shard` run of `source` (default scratch/hf) from the same starting point as cp's; its
+    output is removed afterwards."""
+    out, source = scratch / f"tp{tp}", source or scratch / "hf"
+    settle(source, drop)
+    command = [*STREAMCTL, "shard", str(source), str(out), "-tp", str(tp), *engine, "--json"]
     run = run_measured(command, env=dict(os.environ), watch=scratch / f"watch{tp}", tree_rss=True)
     if run.returncode != 0:
         print(run.stdout, run.stderr, sep="\n", file=sys.stderr)
@@ -511,18 +514,43 @@ def worker_memory(case: Case, checkpoint: Checkpoint, runs: dict[int, list[Shard
     return verdicts
 
 
-def main() -> int:
+REAL_TP = 2
+MARGINAL_TARGET = 0.5  # x cp's extra seconds per extra byte (issue 24)
+FIXED_START_TARGET_S = 20.0
+
+
+def real_cases(args: argparse.Namespace, vllm_cpu: list[str]) -> list[RealCase]:
+    chosen = {"real": list(REAL_SHAPES), "all": list(REAL_SHAPES)}.get(args.case, [args.case])
+    depths = {"llama-8b": args.llama_8b_layers, "qwen3-moe": args.qwen3_layers, "gemma3": args.gemma3_layers}
+    engines = {
+        "llama-8b": vllm_cpu if args.llama_8b_engine == "vllm-cpu" else [],
+        "qwen3-moe": vllm_cpu,
+        "gemma3": vllm_cpu,
+    }
+    return [
+        RealCase(key, REAL_SHAPES[key], tuple(depths[key]), engines[key], MARGINAL_TARGET, FIXED_START_TARGET_S)
+        for key in REAL_SHAPES
+        if key in chosen
+    ]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["llama", "moe", "all"], default="all")
+    parser.add_argument("--case", choices=["llama", "moe", *REAL_SHAPES, "real", "all"], default="all")
     parser.add_argument("--layers", type=int, default=6, help="llama: decoder layers (~416 MiB each)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="llama: TP sizes")
     parser.add_argument("--moe-layers", type=int, default=32, help="moe: decoder layers (~93 MB each)")
     parser.add_argument("--moe-tp", type=int, nargs="+", default=[2], help="moe: TP sizes")
+    parser.add_argument("--llama-8b-layers", type=int, nargs=2, default=[2, 6], help="llama-8b: the two depths")
+    parser.add_argument("--llama-8b-engine", choices=["auto", "vllm-cpu"], default="auto", help="llama-8b's engine")
+    parser.add_argument("--qwen3-layers", type=int, nargs=2, default=[2, 4], help="qwen3-moe: the two depths")
+    parser.add_argument("--gemma3-layers", type=int, nargs=2, default=[4, 16], help="gemma3: the two text depths")
+    parser.add_argument("--real-tp", type=int, default=REAL_TP, help="the real-shape cases' TP size")
     parser.add_argument(
         "--vllm-python",
         default=os.environ.get("STREAMCTL_VLLM_PYTHON"),
-        help="moe: the vLLM environment's python (default $STREAMCTL_VLLM_PYTHON; without either, streamctl's own "
-        "choice: its cached environment for the default --vllm-version)",
+        help="vllm-cpu cases: the vLLM environment's python (default $STREAMCTL_VLLM_PYTHON; without either, "
+        "streamctl's own choice: its cached environment for the default --vllm-version)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="parent folder for the scratch data")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (the median is shown)")
@@ -532,21 +560,34 @@ def main() -> int:
         help="do not drop the page cache before each run (on this VM, cp right after a drop sometimes runs "
         "2-3x faster than otherwise; see the module docstring)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    python = ["--vllm-python", args.vllm_python] if args.vllm_python else []
+    vllm_cpu = ["--engine", "vllm-cpu", *python]
     cases = []
     if args.case in ("llama", "all"):
         cases.append(Case("llama", LLAMA, args.layers, args.tp, [], 0.7))
     if args.case in ("moe", "all"):
-        python = ["--vllm-python", args.vllm_python] if args.vllm_python else []
-        cases.append(Case("moe", MIXTRAL, args.moe_layers, args.moe_tp, ["--engine", "vllm-cpu", *python], 0.5))
+        cases.append(Case("moe", MIXTRAL, args.moe_layers, args.moe_tp, vllm_cpu, 0.5))
     targets = Targets()
     verdicts: list[str] = []
+    print(f"load average at the start: {' '.join(f'{load:.1f}' for load in os.getloadavg())}", flush=True)
     for case in cases:
         with scratch_space(args.dir) as scratch:
             found = run_case(case, scratch, args, targets)
         if found is None:
             return 1
         verdicts += found
+    for real in real_cases(args, vllm_cpu):
+        with scratch_space(args.dir) as scratch:
+            found = run_real_case(real, scratch, args.real_tp, args, targets, (time_cp, time_shard))
+        if found is None:
+            return 1
+        verdicts += found
+    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())}")
     for line in verdicts:
         print(line)
     return targets.exit_status()
