@@ -168,29 +168,67 @@ def _poison(model: Any, sent: set[int]) -> dict[str, Any]:
     return saved
 
 
+def set_aside(model: Any, sent: set[int]) -> None:
+    """Every parameter that holds nothing this pseudo stage sends moves to the meta device, its attributes
+    (vLLM's weight_loader and shard facts) kept: a pseudo stage fed the tensors outside the decoder layers
+    (the last one: embeddings, a vision tower) but producing none of them then copies them nowhere instead
+    of into a GB of fresh memory per TP rank. Tied parameters stay one object."""
+    import torch
+
+    moved: dict[int, tuple[Any, Any]] = {}  # id -> (the CPU parameter, kept alive while ids are compared; its stand-in)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.is_meta or not param.numel() or param.untyped_storage().data_ptr() in sent:
+                continue
+            if id(param) not in moved:
+                stand_in = torch.Tensor._make_subclass(
+                    type(param), torch.empty_like(param, device="meta"), param.requires_grad
+                )
+                stand_in.__dict__.update(param.__dict__)
+                moved[id(param)] = (param, stand_in)
+            module._parameters[name] = moved[id(param)][1]
+
+
+def _built_and_loaded(
+    plan: Plan, names: list[str], hf: dict[str, Any], phases: Phases, aside: bool
+) -> tuple[dict[str, Any], Any]:
+    """Build the emulated rank's pseudo stage, poison what it sends, set the rest aside (`aside`), load it."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    with phases.step("build"):
+        config = make_vllm_config(plan.request)
+        model = vllm_compat.build_model(config)
+    with phases.step("poison"):
+        sent = _storages(model, names)
+        saved = _poison(model, sent)
+        if aside:
+            set_aside(model, sent)
+    with phases.step("load_weights"), set_current_vllm_config(config), torch.no_grad():
+        model.load_weights(iter(hf.items()))
+    return saved, model
+
+
 def load_pseudo_stage(
     plan: Plan, layer: int, tp_rank: int, hf: dict[str, Any], names: list[str], phases: Phases | None = None
 ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     """Pseudo stage `layer` at `tp_rank`, built on the CPU and loaded by its own load_weights: its filtered
     state dict (before post-processing), the construction values of its poisoned small parameters (those
-    holding `names`, what is sent of it), the model."""
-    import torch
-    from vllm.config import set_current_vllm_config
-
+    holding `names`, what is sent of it), the model. A weight loader that cannot write to set_aside's meta
+    stand-ins (one that computes with the parameter it loads) fails: the stage is then built again whole."""
     if layer == WHOLE_RANK:  # the real (only) stage, every layer at once
         partition, stages, stage = plan.partition, plan.pp, 0
     else:
         partition, stages, stage = ",".join(["1"] * plan.num_layers), plan.num_layers, layer
     phases = phases or Phases()
     with pp_partition(partition), emulate_rank(plan.tp, tp_rank, stages, stage):
-        with phases.step("build"):
-            config = make_vllm_config(plan.request)
-            model = vllm_compat.build_model(config)
-        with phases.step("poison"):
-            saved = _poison(model, _storages(model, names))
         try:
-            with phases.step("load_weights"), set_current_vllm_config(config), torch.no_grad():
-                model.load_weights(iter(hf.items()))
+            try:
+                saved, model = _built_and_loaded(plan, names, hf, phases, aside=True)
+            except KeyError:
+                raise
+            except Exception:  # noqa: BLE001 - a meta stand-in's failure or the checkpoint's: the whole build says
+                saved, model = _built_and_loaded(plan, names, hf, phases, aside=False)
         except KeyError as error:  # vLLM's `params_dict[name]` on a checkpoint tensor its model did not build
             raise WorkerError(
                 "bad-checkpoint",
@@ -201,7 +239,7 @@ def load_pseudo_stage(
         except Exception as error:
             raise WorkerError("bad-checkpoint", f"layer {layer}, TP rank {tp_rank}: {one_line(error)}") from error
     with phases.step("filter"):
-        state = vllm_compat.filter_subtensors(model.state_dict())
+        state = vllm_compat.filter_subtensors({k: v for k, v in model.state_dict().items() if not v.is_meta})
     return state, saved, model
 
 
@@ -212,7 +250,7 @@ def release_weights(model: Any) -> None:
 
     for module in model.modules():
         for param in module._parameters.values():
-            if param is not None:
+            if param is not None and not param.is_meta:  # set_aside's stand-ins hold no memory
                 param.data = torch.empty(0, dtype=param.dtype)
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
