@@ -1,8 +1,10 @@
-"""Benchmark `streamctl shard` against `cp` of the same bytes: a synthetic Llama (the table engine) and a
-synthetic Mixtral (`--engine vllm-cpu`), each ~3 GB.
+"""Benchmark `streamctl shard` against `cp` of the same bytes: a synthetic Llama (the table engine), a
+synthetic Mixtral (`--engine vllm-cpu`), each ~3 GB, and three real models' shapes at two depths each.
 
-    python bench/shard.py [--case llama|moe|all] [--layers 6] [--tp 2 4] [--moe-layers 32] [--moe-tp 2]
-        [--vllm-python PATH] [--repeat 3] [--keep-page-cache] [--dir PARENT]
+    python bench/shard.py [--case llama|moe|llama-8b|qwen3-moe|gemma3|real|all] [--layers 6] [--tp 2 4]
+        [--moe-layers 32] [--moe-tp 2] [--llama-8b-layers 2 6] [--qwen3-layers 2 4] [--gemma3-layers 4 16]
+        [--real-tp 2] [--llama-8b-engine auto|vllm-cpu] [--vllm-python PATH] [--repeat 3] [--keep-page-cache]
+        [--dir PARENT]
 
 Cases (`--case`, default all, one after another; each generates its checkpoint, measures, removes it):
 - llama: Llama-3-8B's layer shapes with Llama-2's vocabulary, 6 layers (3.1 GB, 4 files), sharded by the
@@ -17,6 +19,17 @@ Cases (`--case`, default all, one after another; each generates its checkpoint, 
   formula). The worker's idle baseline, measured in the same run (a worker that imported and initialised
   vLLM and answered the plan request, whose meta-device builds allocate no weights), is reported too, with
   the formula plus that baseline beside it: the formula alone is the target.
+- real (`llama-8b`, `qwen3-moe`, `gemma3`; bench/shard_real.py, shapes in bench/shard_shapes.py): a dense, an
+  MoE and a multimodal model with the tensor names and shapes of meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B
+  (128 experts) and google/gemma-3-4b-it (SigLIP tower included), generated from their published
+  config.json values (random bf16 values), each at two depths (default 2 and 6 layers: 3.0 and 4.7 GB;
+  2 and 4: 3.7 and 6.2 GB; 4 and 16 text layers: 2.9 and 5.2 GB; the deep checkpoint and one output at a
+  time must fit the scratch folder), at TP 2 (`--real-tp`); Llama through the table engine (`auto`), the
+  other two through `--engine vllm-cpu`. Each round times cp and shard at both depths; the marginal ratio
+  is cp's extra seconds for the extra layers over streamctl's, and the fixed start is streamctl's seconds
+  at zero bytes on the line through both depths. Targets (issue 24): marginal >= 0.5 x cp's, fixed start
+  <= 20 s. Reported beside them: the whole-run ratio at each depth, seconds per extra decoder layer against
+  cp's, CPU seconds and the marginal CPU seconds per GB, the load average of each round.
 
 One run, one disk: the checkpoint is generated into a scratch folder (PARENT, default the system temp
 folder), copied with `cp` (and `sync` of the copies, because streamctl fsyncs every file it completes), and
