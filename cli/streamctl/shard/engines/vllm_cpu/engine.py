@@ -557,7 +557,9 @@ class VllmCpuEngine:
         worker, read_source = self._running(), self._plan().read_source
         routed = write_routed(plan, worker, run.dest, run.options, run.progress, read_source)
         self._routed = routed
-        report = {key: routed.report.get(key) for key in ("seconds", "peak_rss_mib", "kept_construction_value")}
+        report = {
+            key: routed.report.get(key) for key in ("seconds", "peak_rss_mib", "kept_construction_value", "phases")
+        }
         return Written(routed.files, routed.bytes_written, report)
 
     def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:

@@ -45,7 +45,7 @@ worker -> parent ("type"):
            (C order, little-endian, exactly as a safetensors file holds them). Order: stage by stage, part by
            part; within a part, the worker may interleave TP ranks, but each (pp_rank, tp_rank) receives its
            part's names in exactly the order the write request listed them.
-  written  {"type": "written", "seconds", "peak_rss_mib", "kept_construction_value": [names]}
+  written  {"type": "written", "seconds", "peak_rss_mib", "kept_construction_value": [names], "phases": {step: s}}
   checked  {"type": "checked", "loader": "runai_streamer_sharded", "ranks": [{"pp_rank", "tp_rank", "ok",
             "tensors", "problems": [...], "skipped": reason or null}], "peak_rss_mib"}
   error    {"type": "error", "kind": one of ERROR_KINDS, "message": one line (vLLM's own words where it

@@ -24,9 +24,9 @@ plan   (worker_plan.py) `ModelConfig.verify_with_parallel_config` first (vLLM's 
        whose rank share is not whole int32 words or quantization groups is refused here too (wna16.py).
 write  (worker_write.py) per part, consecutive names grouped by layer; the layer's HF tensors read once
        and kept for the next group; per TP rank the pseudo stage is built on the CPU, every floating parameter
-       NaN-poisoned, loaded by the model's own `load_weights`, `_filter_subtensors`-ed (BEFORE
-       process_weights_after_loading: the state the ShardedStateLoader loads) and each tensor streamed as raw
-       bytes + sha256. One model alive at a time, gc per layer, gc.freeze after init: peak RSS ~ one layer.
+       it sends NaN-poisoned (the rest set aside on the meta device), loaded by the model's own `load_weights`,
+       `_filter_subtensors`-ed (BEFORE process_weights_after_loading: the state the ShardedStateLoader loads)
+       and each tensor streamed as raw bytes + sha256. One model alive at a time, gc per layer, gc.freeze after init: peak RSS ~ one layer.
 check  (worker_check.py) the FULL rank model loaded by vLLM's own ShardedStateLoader from DEST; every
        loaded tensor's sha256, before post-processing, must equal what write sent.
 

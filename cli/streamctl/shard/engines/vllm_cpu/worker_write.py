@@ -1,15 +1,17 @@
 """The vllm-cpu worker's write: per part, consecutive names grouped by layer; the layer's HF tensors read once
 (memory-mapped from local_root, or "read" frames answered by the parent) and kept for the next group; per TP
-rank the pseudo stage built on the CPU, NaN-poisoned, loaded by the model's own `load_weights`, filtered as
-vLLM's ShardedStateLoader filters (before process_weights_after_loading) and each tensor streamed. vLLM's
-internals through streamctl/shard/engines/vllm_cpu/compat.py only."""
+rank the pseudo stage built on the CPU, what it sends NaN-poisoned and the rest set aside on the meta device,
+loaded by the model's own `load_weights`, filtered as vLLM's ShardedStateLoader filters (before
+process_weights_after_loading) and each tensor streamed. vLLM's internals through
+streamctl/shard/engines/vllm_cpu/compat.py only."""
 
 from __future__ import annotations
 
 import gc
 import os
 import time
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,25 @@ def peak_rss_mib() -> float:
             if line.startswith("VmHWM:"):
                 return round(int(line.split()[1]) / 1024, 1)
     return -1.0
+
+
+@dataclass
+class Phases:
+    """Seconds the write's main thread spent in each step, for the "written" frame ("phases"): where a
+    layer's time goes (the frame-writer thread's hashing and writing overlap them; "send" is the wait for it)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+    def to_json(self) -> dict[str, float]:
+        return {name: round(seconds, 3) for name, seconds in self.seconds.items()}
 
 
 @dataclass
@@ -124,40 +145,91 @@ def _must_be_loaded(name: str) -> bool:
     return last in ("weight", "bias") or last.endswith(("_weight", "_bias"))
 
 
-def _poison(model: Any) -> dict[str, Any]:
-    """NaN into every floating parameter, so nothing `load_weights` left unwritten passes as loaded; returns
-    the construction values of the (small) parameters that may legitimately keep them."""
+def _storages(model: Any, names: list[str]) -> set[int]:
+    """The storages (data pointers) that hold `names` in the model's state dict (tied aliases and sub-tensor
+    views included)."""
+    state = model.state_dict(keep_vars=True)
+    return {state[name].untyped_storage().data_ptr() for name in names if name in state and state[name].numel()}
+
+
+def _poison(model: Any, sent: set[int]) -> dict[str, Any]:
+    """NaN into every floating parameter whose storage holds a tensor this pseudo stage sends (`_storages`), so
+    nothing `load_weights` left unwritten passes as loaded; returns the construction values of the (small)
+    parameters that may legitimately keep them. The rest are never sent (a vision tower or embeddings that
+    another pseudo stage produces, built on every one): filling them cost a GB of writes per layer and rank."""
     import torch
 
     saved = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.is_floating_point():
+            if param.is_floating_point() and param.numel() and param.untyped_storage().data_ptr() in sent:
                 if not _must_be_loaded(name):
                     saved[name] = param.detach().clone()
                 param.fill_(float("nan"))
     return saved
 
 
-def load_pseudo_stage(
-    plan: Plan, layer: int, tp_rank: int, hf: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any], Any]:
-    """Pseudo stage `layer` at `tp_rank`, built on the CPU and loaded by its own load_weights: its filtered
-    state dict (before post-processing), the construction values of its poisoned small parameters, the model."""
+def set_aside(model: Any, sent: set[int]) -> None:
+    """Every parameter that holds nothing this pseudo stage sends moves to the meta device, its attributes
+    (vLLM's weight_loader and shard facts) kept: a pseudo stage fed the tensors outside the decoder layers
+    (the last one: embeddings, a vision tower) but producing none of them then copies them nowhere instead
+    of into a GB of fresh memory per TP rank. Tied parameters stay one object."""
+    import torch
+
+    moved: dict[int, tuple[Any, Any]] = {}  # id -> (the CPU parameter, kept alive while ids are compared; its stand-in)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.is_meta or not param.numel() or param.untyped_storage().data_ptr() in sent:
+                continue
+            if id(param) not in moved:
+                stand_in = torch.Tensor._make_subclass(
+                    type(param), torch.empty_like(param, device="meta"), param.requires_grad
+                )
+                stand_in.__dict__.update(param.__dict__)
+                moved[id(param)] = (param, stand_in)
+            module._parameters[name] = moved[id(param)][1]
+
+
+def _built_and_loaded(
+    plan: Plan, names: list[str], hf: dict[str, Any], phases: Phases, aside: bool
+) -> tuple[dict[str, Any], Any]:
+    """Build the emulated rank's pseudo stage, poison what it sends, set the rest aside (`aside`), load it."""
     import torch
     from vllm.config import set_current_vllm_config
 
+    with phases.step("build"):
+        config = make_vllm_config(plan.request)
+        model = vllm_compat.build_model(config)
+    with phases.step("poison"):
+        sent = _storages(model, names)
+        saved = _poison(model, sent)
+        if aside:
+            set_aside(model, sent)
+    with phases.step("load_weights"), set_current_vllm_config(config), torch.no_grad():
+        model.load_weights(iter(hf.items()))
+    return saved, model
+
+
+def load_pseudo_stage(
+    plan: Plan, layer: int, tp_rank: int, hf: dict[str, Any], names: list[str], phases: Phases | None = None
+) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """Pseudo stage `layer` at `tp_rank`, built on the CPU and loaded by its own load_weights: its filtered
+    state dict (before post-processing), the construction values of its poisoned small parameters (those
+    holding `names`, what is sent of it), the model. A weight loader that cannot write to set_aside's meta
+    stand-ins (one that computes with the parameter it loads) fails: the stage is then built again whole."""
     if layer == WHOLE_RANK:  # the real (only) stage, every layer at once
         partition, stages, stage = plan.partition, plan.pp, 0
     else:
         partition, stages, stage = ",".join(["1"] * plan.num_layers), plan.num_layers, layer
+    phases = phases or Phases()
     with pp_partition(partition), emulate_rank(plan.tp, tp_rank, stages, stage):
-        config = make_vllm_config(plan.request)
-        model = vllm_compat.build_model(config)
-        saved = _poison(model)
         try:
-            with set_current_vllm_config(config), torch.no_grad():
-                model.load_weights(iter(hf.items()))
+            try:
+                saved, model = _built_and_loaded(plan, names, hf, phases, aside=True)
+            except KeyError:
+                raise
+            except Exception:  # noqa: BLE001 - a meta stand-in's failure or the checkpoint's: the whole build says
+                saved, model = _built_and_loaded(plan, names, hf, phases, aside=False)
         except KeyError as error:  # vLLM's `params_dict[name]` on a checkpoint tensor its model did not build
             raise WorkerError(
                 "bad-checkpoint",
@@ -167,7 +239,8 @@ def load_pseudo_stage(
             ) from error
         except Exception as error:
             raise WorkerError("bad-checkpoint", f"layer {layer}, TP rank {tp_rank}: {one_line(error)}") from error
-    state = vllm_compat.filter_subtensors(model.state_dict())
+    with phases.step("filter"):
+        state = vllm_compat.filter_subtensors({k: v for k, v in model.state_dict().items() if not v.is_meta})
     return state, saved, model
 
 
@@ -178,7 +251,7 @@ def release_weights(model: Any) -> None:
 
     for module in model.modules():
         for param in module._parameters.values():
-            if param is not None:
+            if param is not None and not param.is_meta:  # set_aside's stand-ins hold no memory
                 param.data = torch.empty(0, dtype=param.dtype)
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
@@ -273,7 +346,7 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
     if plan is None:
         raise WorkerError("protocol", "write before a successful plan")
     started = time.perf_counter()
-    cache = LayerCache()
+    cache, phases = LayerCache(), Phases()
     kept: list[str] = []
     try:
         for stage in request.get("stages", []):
@@ -284,13 +357,16 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
                 for layer, names in _layer_groups(plan, pp_rank, part):
                     where = "every layer at once" if layer == WHOLE_RANK else f"layer {layer + 1} of {plan.num_layers}"
                     channel.log(f"stage {pp_rank}: {where}")
-                    hf = layer_hf_tensors(channel, plan, layer, cache)
+                    with phases.step("read"):
+                        hf = layer_hf_tensors(channel, plan, layer, cache)
                     for tp_rank in range(plan.tp):
-                        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf)
-                        send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
+                        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf, names, phases)
+                        with phases.step("send"):
+                            send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
                         release_weights(model)  # one rank's weights alive at a time, without a gc per rank
                         del state, saved, model
-                    gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
+                    with phases.step("gc"):
+                        gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
     finally:
         cache.drop()
         gc.collect()
@@ -300,5 +376,6 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
             "seconds": round(time.perf_counter() - started, 3),
             "peak_rss_mib": peak_rss_mib(),
             "kept_construction_value": sorted(set(kept)),
+            "phases": phases.to_json(),
         }
     )
