@@ -621,9 +621,7 @@ def _vllm_cpu_checks(result: ShardResult) -> list[str]:
         return [*phrases, "[yellow]skipped[/]", "(DEST is not a local folder)"]
     assert isinstance(loader, LoaderCheckReport)
     state = "[green]OK[/]" if loader.ok else "[bold red]FAILED[/]"
-    skipped = len(loader.ranks) - loader.checked
-    memory = f", {plural(skipped, 'rank')} skipped for memory" if skipped else ""
-    return [*phrases, state, f"({plural(loader.checked, 'rank')} loaded{memory})"]
+    return [*phrases, state, f"({plural(loader.checked, 'rank')} loaded)"]
 
 
 # =========================================================================================================

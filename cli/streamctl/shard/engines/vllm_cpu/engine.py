@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from streamctl.checkpoint.files import listing_notes, log_notes
@@ -477,20 +476,6 @@ def write_routed(
     return RoutedWrite(tuple(written), router.bytes_written, router.digests, report)
 
 
-UNKNOWN_MEMORY_RANK_BYTES = 8 * 1024**3  # the loader check's limit per rank where MemAvailable is unknown
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 @dataclass(frozen=True)
 class _Planned:
     """What the engine planned before the lease."""
@@ -596,19 +581,12 @@ class VllmCpuEngine:
         return self._planned
 
     def _start_loader_check(self, dest: Location, plan: ShardPlan) -> bool:
-        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only);
-        ranks that would take more than half the memory available now are skipped by the worker."""
+        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only): every
+        rank, in about one tensor's memory."""
         folder = local_path(dest)
         if folder is None:
             return False
-        memory = available_memory()
-        request = {
-            "op": "check",
-            "dest_dir": folder,
-            "pattern": plan.pattern,
-            "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
-        }
-        self._running().request(request)
+        self._running().request({"op": "check", "dest_dir": folder, "pattern": plan.pattern})
         return True
 
     def _loader_check(self, routed: RoutedWrite) -> LoaderCheckReport:
