@@ -28,7 +28,7 @@ from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
 from streamctl.shard.engines.vllm_cpu.worker_plan import SAFETENSORS_DTYPES, Plan, PlannedTensor, make_vllm_config
 from streamctl.shard.engines.vllm_cpu.worker_write import peak_rss_mib, raw_bytes, release_weights
 
-CHECK_READ_AHEAD = 256 * 1024 * 1024  # the Run:ai streamer's buffers during the check (or the largest tensor)
+CHECK_READ_AHEAD = 128 * 1024 * 1024  # the Run:ai streamer's buffers during the check (or the largest tensor)
 STREAMER_LIMIT = "RUNAI_STREAMER_MEMORY_LIMIT"  # read by the streamer when a load starts
 
 
