@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamctl.common.libc import drop_pages
 from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
 from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
 from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
+from streamctl.shard.engines.vllm_cpu.worker_memory import drop_tensor_pages, rss_mib
 from streamctl.shard.engines.vllm_cpu.worker_plan import SAFETENSORS_DTYPES, Plan, PlannedTensor, make_vllm_config
 from streamctl.shard.engines.vllm_cpu.worker_write import peak_rss_mib, raw_bytes, release_weights
 
@@ -38,19 +38,6 @@ def check_loader() -> str:
     except ImportError:
         return "sharded_state"
     return "runai_streamer_sharded"
-
-
-def rss_mib() -> float:
-    """This process's resident memory now (MiB)."""
-    with open("/proc/self/statm") as statm:
-        return round(int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
-
-
-def drop_tensor_pages(tensor: Any) -> int:
-    """The resident pages of a contiguous tensor's bytes given back (bytes released)."""
-    if not tensor.numel() or not tensor.is_contiguous():
-        return 0
-    return drop_pages(int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size()))
 
 
 @dataclass

@@ -17,6 +17,7 @@ from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
 from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
 from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
+from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use
 from streamctl.shard.engines.vllm_cpu.worker_plan import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
@@ -157,7 +158,8 @@ def load_pseudo_stage(
         saved = _poison(model)
         try:
             with set_current_vllm_config(config), torch.no_grad():
-                model.load_weights(iter(hf.items()))
+                # a memory-mapped source tensor's pages go once consumed: the layer's files never all resident
+                model.load_weights(dropped_after_use(hf.items(), plan.request.get("local_root")))
         except KeyError as error:  # vLLM's `params_dict[name]` on a checkpoint tensor its model did not build
             raise WorkerError(
                 "bad-checkpoint",
