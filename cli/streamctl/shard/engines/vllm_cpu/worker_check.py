@@ -50,6 +50,11 @@ class RankTally:
     seen: set[str] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
     peak_mib: float = 0.0  # resident memory right after a copy, its largest
+    unloaded: dict[int, set[str]] = field(default_factory=dict)  # storage -> its targets not yet copied
+
+    def __post_init__(self) -> None:
+        for name, tensor in self.targets.items():
+            self.unloaded.setdefault(int(tensor.untyped_storage().data_ptr()), set()).add(name)
 
     def copied(self, name: str, source: Any) -> None:
         """vLLM has copied `source` into the parameter `name` (compat.after_each_copy)."""
@@ -61,9 +66,24 @@ class RankTally:
         expected = self.sent.get(name)
         if expected is not None and hashlib.sha256(raw_bytes(target)).hexdigest() != expected:
             self.problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
-        drop_tensor_pages(target)  # checked: never read again (the model is dropped after the load)
+        self.release(target, name)
         if self.drop_source:
             drop_tensor_pages(source)
+
+    def release(self, target: Any, name: str) -> None:
+        """The parameter's memory back once every target sharing its storage is checked: the storage freed
+        (nothing reads it again: the loader has popped those names, the model is dropped after the load),
+        else its pages. Freeing beats MADV_DONTNEED: with transparent huge pages (THP_MEM_ALLOC_ENABLE, the
+        worker's setting) khugepaged may fill a half-released huge page again."""
+        storage = target.untyped_storage()
+        waiting = self.unloaded.get(int(storage.data_ptr()), set())
+        waiting.discard(name)
+        if waiting:
+            return
+        try:
+            storage.resize_(0)
+        except RuntimeError:  # a storage torch did not allocate (not resizable)
+            drop_tensor_pages(target)
 
 
 @contextmanager
