@@ -78,3 +78,37 @@ def keep_unwinder_loaded() -> Any | None:
         return ctypes.CDLL("libgcc_s.so.1")
     except OSError:
         return None
+
+
+_MADV_DONTNEED = 4  # <asm-generic/mman-common.h>
+
+
+@cache
+def _madvise() -> Any | None:
+    handle = libc()
+    function = getattr(handle, "madvise", None) if handle is not None else None
+    if function is None:
+        return None
+    import ctypes
+
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    function.restype = ctypes.c_int
+    return function
+
+
+def drop_pages(address: int, length: int) -> int:
+    """Give back the resident pages that lie wholly inside [address, address + length) (MADV_DONTNEED): memory
+    whose contents are no longer needed but which stays allocated (a loaded parameter already checked, the
+    mapping of a file already read). Anonymous pages read back as zeros afterwards, a file mapping's as the
+    file. The bytes released (0 where madvise is missing or refuses: best effort, never an error)."""
+    function = _madvise()
+    if function is None or length <= 0:
+        return 0
+    import mmap
+
+    page = mmap.PAGESIZE
+    start = -(-address // page) * page  # pages only partly inside the range hold other memory's bytes too
+    end = (address + length) // page * page
+    if end <= start or function(start, end - start, _MADV_DONTNEED) != 0:
+        return 0
+    return end - start

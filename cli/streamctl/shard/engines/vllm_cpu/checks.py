@@ -1,7 +1,7 @@
 """`--engine vllm-cpu`'s checks after writing, beside verify-index --sharded: every written tensor re-read
 from DEST and its sha256 compared with the one the worker computed on vLLM's rank model
 (`check_tensor_digests`), and, for a local DEST, vLLM's own ShardedStateLoader run by the worker on the
-written files (`LoaderCheckReport`, from the worker's "checked" frame)."""
+written files, every rank a tensor at a time (`LoaderCheckReport`, from the worker's "checked" frame)."""
 
 from __future__ import annotations
 
@@ -45,17 +45,18 @@ class TensorDigestReport:
 
 @dataclass(frozen=True)
 class LoaderCheckReport:
-    """vLLM's ShardedStateLoader on the written rank files (the worker's "checked" frame)."""
+    """vLLM's ShardedStateLoader on the written rank files (the worker's "checked" frame): every rank this run
+    wrote to, whatever its size (the worker loads it a tensor at a time)."""
 
     ok: bool
     loader: str
-    ranks: tuple[Mapping[str, Any], ...]  # {"pp_rank", "tp_rank", "ok", "tensors", "problems", "skipped"}
+    ranks: tuple[Mapping[str, Any], ...]  # {"pp_rank", "tp_rank", "ok", "tensors", "problems", "rss_peak_mib"}
     peak_rss_mib: float | None = None
     missing: tuple[tuple[int, int], ...] = ()  # (pp_rank, tp_rank) written by this run that the worker did not check
 
     @property
     def checked(self) -> int:
-        return sum(1 for rank in self.ranks if not rank.get("skipped"))
+        return len(self.ranks)
 
     @property
     def problems(self) -> tuple[str, ...]:
@@ -63,9 +64,7 @@ class LoaderCheckReport:
         return unchecked + tuple(
             f"PP stage {rank.get('pp_rank')}, TP rank {rank.get('tp_rank')}: {problem}"
             for rank in self.ranks
-            for problem in (
-                rank.get("problems") or (["failed"] if not rank.get("ok") and not rank.get("skipped") else [])
-            )
+            for problem in (rank.get("problems") or (["failed"] if not rank.get("ok") else []))
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -81,11 +80,11 @@ class LoaderCheckReport:
     @classmethod
     def from_frame(cls, frame: Mapping[str, Any], written: Iterable[tuple[int, int]]) -> LoaderCheckReport:
         """The report of a "checked" frame; every rank in `written` (this run wrote some of its files; the
-        worker checks exactly those) must be in it, loaded or skipped for memory."""
+        worker checks exactly those) must be in it, and loaded without a problem."""
         ranks = tuple(rank for rank in frame.get("ranks") or [] if isinstance(rank, dict))
         seen = {(rank.get("pp_rank"), rank.get("tp_rank")) for rank in ranks}
         missing = tuple(sorted(rank for rank in set(written) if rank not in seen))
-        ok = not missing and all(bool(rank.get("ok")) or bool(rank.get("skipped")) for rank in ranks)
+        ok = not missing and all(bool(rank.get("ok")) and not rank.get("problems") for rank in ranks)
         peak = frame.get("peak_rss_mib")
         return cls(
             ok, str(frame.get("loader", "")), ranks, float(peak) if isinstance(peak, (int, float)) else None, missing

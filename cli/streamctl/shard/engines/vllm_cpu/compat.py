@@ -15,6 +15,9 @@ What the worker needs of vLLM's internals, and why:
 - model initialisation: model_loader.utils.initialize_model under set_default_torch_dtype (`build_model`), and
   the id(model)-keyed cache of PP-missing layers emptied after each build (`forget_freed_models`);
 - sub-tensor filtering: ShardedStateLoader._filter_subtensors, the state the sharded loader saves and loads;
+- the check's hook into ShardedStateLoader.load_weights: its file iterator (`iterate_over_files`) wrapped on
+  the loader instance, so each parameter is checked and its memory given back as soon as vLLM copied a file
+  tensor into it (`after_each_copy`);
 - registry internals: the model-class inspection moved from a subprocess into this one (`inspect_in_process`),
   so it sees the build-only stand-ins (shard/engines/vllm_cpu/shims.py);
 - the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`) and the list of
@@ -28,7 +31,7 @@ import importlib
 import inspect
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +97,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("vllm.model_executor.models.utils", "_model_to_pp_missing_layer_names", "dict"),
     TouchPoint("vllm.model_executor.models.utils", "PPMissingLayer", "class"),
     TouchPoint(f"{_LOADER}.sharded_state_loader", "ShardedStateLoader._filter_subtensors", "callable", ("tensors",)),
+    TouchPoint(
+        f"{_LOADER}.sharded_state_loader", "ShardedStateLoader.iterate_over_files", "callable", ("self", "paths")
+    ),
     TouchPoint("vllm.model_executor.models.registry", "_run_in_subprocess", "callable", ("fn",)),
     TouchPoint("vllm.platforms.cpu", "CpuPlatform.check_and_update_config", "callable", ("vllm_config",)),
     TouchPoint("vllm.triton_utils", "HAS_TRITON"),
@@ -319,6 +325,27 @@ def filter_subtensors(state: dict[str, Any]) -> dict[str, Any]:
 
     filtered: dict[str, Any] = ShardedStateLoader._filter_subtensors(state)
     return filtered
+
+
+@contextmanager
+def after_each_copy(loader: Any, callback: Callable[[str, Any], None]) -> Iterator[None]:
+    """Within: `callback(name, file_tensor)` runs each time vLLM's ShardedStateLoader `loader` has copied a file
+    tensor into its parameter. Its load_weights takes (name, tensor) pairs from `self.iterate_over_files` and
+    copies each one before it asks for the next, so the wrapped iterator resumes exactly then (the last one:
+    when the loop asks once more and the files are done). A pair vLLM refuses (a name its model lacks) ends
+    the load with vLLM's own error, without a callback."""
+    files = loader.iterate_over_files
+
+    def iterate(paths: Any) -> Iterator[tuple[str, Any]]:
+        for name, tensor in files(paths):
+            yield name, tensor
+            callback(name, tensor)
+
+    loader.iterate_over_files = iterate  # this instance only: the class stays vLLM's
+    try:
+        yield
+    finally:
+        del loader.iterate_over_files
 
 
 # --- what the build-only stand-ins (shard/engines/vllm_cpu/shims.py) hook into ------------------------------------------

@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from streamctl.checkpoint.files import listing_notes, log_notes
@@ -479,20 +478,6 @@ def write_routed(
     return RoutedWrite(tuple(written), router.bytes_written, router.digests, report)
 
 
-UNKNOWN_MEMORY_RANK_BYTES = 8 * 1024**3  # the loader check's limit per rank where MemAvailable is unknown
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 @dataclass(frozen=True)
 class _Planned:
     """What the engine planned before the lease."""
@@ -613,19 +598,12 @@ class VllmCpuEngine:
     def _start_loader_check(
         self, dest: Location, plan: ShardPlan, ranks: Sequence[tuple[int, int]] | None = None
     ) -> bool:
-        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only):
-        the ranks it sent tensors of, or `ranks`; ranks that would take more than half the memory available
-        now are skipped by the worker."""
+        """Ask the worker to load the written files with vLLM's own ShardedStateLoader (local DEST only): the
+        ranks it sent tensors of, or `ranks`; every rank in about one tensor's memory."""
         folder = local_path(dest)
         if folder is None:
             return False
-        memory = available_memory()
-        request: dict[str, Any] = {
-            "op": "check",
-            "dest_dir": folder,
-            "pattern": plan.pattern,
-            "max_rank_bytes": memory // 2 if memory is not None else UNKNOWN_MEMORY_RANK_BYTES,
-        }
+        request: dict[str, Any] = {"op": "check", "dest_dir": folder, "pattern": plan.pattern}
         if ranks is not None:
             request["ranks"] = [list(rank) for rank in ranks]
         self._running().request(request)

@@ -20,9 +20,9 @@ parent -> worker ("op"):
            the parts to write, each part's names in FILE order (the order the parent's header lays them out);
            parts a re-run reuses are simply left out.
            -> "tensor" frames, then one "written" frame (or "error").
-  check    {"op": "check", "dest_dir", "pattern", "max_rank_bytes"}
+  check    {"op": "check", "dest_dir", "pattern"}
            vLLM's own ShardedStateLoader loads each written rank (local DEST only) and every loaded tensor's
-           sha256 must equal what the write sent; ranks over max_rank_bytes are skipped (memory).
+           sha256 must equal what the write sent; a tensor at a time, so every rank is loaded, of any size.
            -> one "checked" frame (or "error").
   data     {"op": "data", "nbytes": n} + n bytes: ONLY as the answer to a "read" frame, exactly `length` bytes.
   EOF on stdin: the worker exits 0.
@@ -47,7 +47,9 @@ worker -> parent ("type"):
            part's names in exactly the order the write request listed them.
   written  {"type": "written", "seconds", "peak_rss_mib", "kept_construction_value": [names], "phases": {step: s}}
   checked  {"type": "checked", "loader": "runai_streamer_sharded", "ranks": [{"pp_rank", "tp_rank", "ok",
-            "tensors", "problems": [...], "skipped": reason or null}], "peak_rss_mib"}
+            "tensors" (hashed against the written bytes), "problems": [...], "rss_before_mib", "rss_peak_mib"
+            (the worker's resident memory before the rank's load, and its largest right after a copy)}],
+            "peak_rss_mib"}
   error    {"type": "error", "kind": one of ERROR_KINDS, "message": one line (vLLM's own words where it
             refused), "detail": the traceback's last lines}
   heartbeat {"type": "heartbeat"}: the worker is alive and at work; it carries nothing (see below).

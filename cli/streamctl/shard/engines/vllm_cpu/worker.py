@@ -27,8 +27,9 @@ write  (worker_write.py) per part, consecutive names grouped by layer; the layer
        it sends NaN-poisoned (the rest set aside on the meta device), loaded by the model's own `load_weights`,
        `_filter_subtensors`-ed (BEFORE process_weights_after_loading: the state the ShardedStateLoader loads)
        and each tensor streamed as raw bytes + sha256. One model alive at a time, gc per layer, gc.freeze after init: peak RSS ~ one layer.
-check  (worker_check.py) the FULL rank model loaded by vLLM's own ShardedStateLoader from DEST; every
-       loaded tensor's sha256, before post-processing, must equal what write sent.
+check  (worker_check.py) the rank model loaded by vLLM's own ShardedStateLoader from DEST; every loaded
+       tensor's sha256, before post-processing, must equal what write sent; each parameter's memory given
+       back once it is checked, so a rank of any size loads in about one tensor's memory.
 
 Outgoing frames go through one writer thread (worker_channel.py). One torch thread (OpenMP's spinning
 workers cost 3-4x the CPU on a busy machine). Each vLLM log message reaches stderr once (OncePerMessage).

@@ -19,6 +19,7 @@ from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
 from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
 from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
+from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use
 from streamctl.shard.engines.vllm_cpu.worker_plan import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
@@ -206,7 +207,8 @@ def _built_and_loaded(
         if aside:
             set_aside(model, sent)
     with phases.step("load_weights"), set_current_vllm_config(config), torch.no_grad():
-        model.load_weights(iter(hf.items()))
+        # a memory-mapped source tensor's pages go once consumed: the layer's files never all resident
+        model.load_weights(dropped_after_use(hf.items(), plan.request.get("local_root")))
     return saved, model
 
 
