@@ -100,6 +100,10 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("vllm.model_executor.kernels.linear", "_POSSIBLE_KERNELS", "dict"),
     TouchPoint("vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel", "MPLinearKernel", "class"),
     TouchPoint("vllm.platforms", "current_platform._enum"),
+    TouchPoint("vllm.model_executor.kernels.linear", "_POSSIBLE_FP8_BLOCK_KERNELS", "dict"),
+    TouchPoint(
+        "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel", "Fp8BlockScaledMMLinearKernel", "class"
+    ),
 )
 
 
@@ -373,3 +377,16 @@ def cpu_mp_kernels() -> tuple[list[Any], type] | None:
         return None
     listed = kernels._POSSIBLE_KERNELS.get(current_platform._enum)  # choose_mp_linear_kernel's own key
     return (listed, MPLinearKernel) if isinstance(listed, list) else None
+
+
+def cpu_fp8_block_kernels() -> tuple[list[Any], type] | None:
+    """The CPU platform's list of FP8 block-scaled linear kernels (`init_fp8_linear_kernel` walks it for a
+    `weight_block_size` layer) and their base class, or None off the CPU platform."""
+    from vllm.model_executor.kernels import linear as kernels
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    listed = kernels._POSSIBLE_FP8_BLOCK_KERNELS.get(current_platform._enum)
+    return (listed, Fp8BlockScaledMMLinearKernel) if isinstance(listed, list) else None
