@@ -13,6 +13,7 @@
     quantize_fp8.py SRC DEST mxfp4       # gpt-oss as published: quant_method mxfp4, experts as
                                          # `*_blocks` U8 [E, out, in/32, 16] (two e2m1 values a byte, low nibble
                                          # first) + `*_scales` U8 [E, out, in/32] (e8m0), biases kept
+    quantize_fp8.py SRC DEST KIND@B      # blocks of B (block, ct-block) for this copy
     quantize_fp8.py SRC DEST KIND SRC2 DEST2 KIND2 ...   # several in one process (one torch import)
 The 8-bit kinds quantize every 2-D linear weight of the decoder layers (not embeddings, norms, lm_head,
 routers); mxfp4 quantizes the experts only, as gpt-oss does. Round to nearest: the values only need to be a
@@ -55,7 +56,7 @@ def _blocks(w, block: int):
 
 
 def quantize_weight(kind: str, w) -> dict[str, Any]:
-    """suffix -> tensor for one [out, in] weight."""
+    """suffix -> tensor for one [out, in] weight (blocks of BLOCK)."""
     import torch
 
     w = w.float()
@@ -154,8 +155,11 @@ def quantization_config(kind: str, routers: list[str]) -> dict[str, Any]:
 
 
 def main(src: str, dest: str, kind: str) -> None:
+    global BLOCK
     from safetensors.torch import load_file, save_file
 
+    kind, _, block = kind.partition("@")
+    BLOCK = int(block) if block else int(os.environ.get("FP8_BLOCK", "16"))
     if kind not in KINDS:
         sys.exit(f"quantize_fp8.py: kind {kind!r}, not one of {', '.join(KINDS)}")
     os.makedirs(dest, exist_ok=True)

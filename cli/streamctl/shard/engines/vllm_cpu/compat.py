@@ -17,9 +17,11 @@ What the worker needs of vLLM's internals, and why:
 - sub-tensor filtering: ShardedStateLoader._filter_subtensors, the state the sharded loader saves and loads;
 - registry internals: the model-class inspection moved from a subprocess into this one (`inspect_in_process`),
   so it sees the build-only stand-ins (shard/engines/vllm_cpu/shims.py);
-- the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`) and the list of
-  mixed-precision linear kernels the build-only int4 kernel joins (`cpu_mp_kernels`). The int4 split rules
-  (shard/engines/vllm_cpu/wna16.py) read public attributes of vLLM's parameters and kernels only.
+- the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`), the list of
+  mixed-precision linear kernels the build-only int4 kernel joins (`cpu_mp_kernels`) and the list of FP8
+  block-scaled kernels the build-only FP8 block kernel joins (`cpu_fp8_block_kernels`). The int4 split rules
+  (shard/engines/vllm_cpu/wna16.py) read public attributes of vLLM's parameters and kernels only; the FP8
+  ones are vLLM's own checks (shard/engines/vllm_cpu/quantized.py).
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("vllm.platforms", "current_platform._enum"),
     TouchPoint("vllm.model_executor.kernels.linear", "_POSSIBLE_FP8_BLOCK_KERNELS", "dict"),
     TouchPoint(
-        "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel", "Fp8BlockScaledMMLinearKernel", "class"
+        "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel",
+        "Fp8BlockScaledMMLinearKernel",
+        "class",
     ),
 )
 

@@ -27,6 +27,13 @@ they go through streamctl/shard/engines/vllm_cpu/compat.py, whose version table 
   The stand-in is appended LAST to that list: it is chosen only where every real CPU kernel refused, it
   accepts any layer, and its process_weights_after_loading and apply_weights raise ShimCalled. Building and
   load_weights (all a sharding run and its checks do) never call either.
+- a last-resort FP8 block-scaled linear kernel on the CPU platform (`BuildOnlyFp8BlockScaledMMKernel`): an
+  FP8 block-quantized layer (fp8.py `Fp8LinearMethod` with `weight_block_size`, compressed-tensors'
+  `strategy: block`) registers its `weight` and block scales in `create_weights`, then `init_fp8_linear_kernel`
+  walks `_POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]` (CPUFp8W8A8BlockScaledMMKernel,
+  CPUFp8BlockScaledMMKernel: both need AMX tiles and vllm._C's fp8_scaled_mm_cpu) and raises when none is
+  supported. Appended LAST, the same way as the WNA16 one; its process_weights_after_loading, apply_weights
+  and apply_block_scaled_mm raise ShimCalled.
 - vLLM inspects a model class in a subprocess (model_executor/models/registry.py `_run_in_subprocess`, there
   only to keep CUDA uninitialised) that would not see these stand-ins: `install()` runs it in this process.
 """
@@ -235,7 +242,7 @@ def install() -> list[str]:
 
 def used_by(model: Any) -> list[str]:
     """The installed stand-ins this built model looked up: the shim ops its modules hold, the build-only
-    kernel its quantized linear layers hold, and the stand-in
+    kernels its quantized linear layers hold, and the stand-in
     torchvision whenever it is imported (vLLM's own imports of transformers' image and video utilities
     already import it, whatever the model; Gemma 3 multimodal then needs it to build)."""
     installed = set(install())
