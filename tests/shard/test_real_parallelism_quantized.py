@@ -6,7 +6,7 @@ published layouts and sharded at TP 2 by `streamctl shard` (its engine: auto, so
 `load_format="auto"` on the source.
 
 CI runs compressed-tensors FP8 per channel with dynamic per-token activations (llm-compressor's FP8_DYNAMIC).
-STREAMCTL_REAL_TP_MATRIX=1 (or =quantized) adds W8A8 int8, and the formats this CPU build cannot serve at
+STREAMCTL_REAL_TP_MATRIX=1 adds W8A8 int8, and the formats this CPU build cannot serve at
 all, as xfails that check its words: FP8 blocks (DeepSeek-V3 / Qwen3-FP8 and compressed-tensors'; its CPU
 FP8 block kernels need AMX tiles, which this machine lacks) and compressed-tensors FP8 per tensor with static
 input scales (its vllm._C has no static_scaled_fp8_quant). Their files are judged by vLLM's loader instead
@@ -40,7 +40,8 @@ CANNOT_RUN = {
     "llama-ct-block": "Failed to find a kernel that can implement the ScaledMM linear layer",
     "llama-ct-tensor": "static_scaled_fp8_quant",
 }
-KINDS = MATRIX_KINDS if os.environ.get("STREAMCTL_REAL_TP_MATRIX", "") in ("1", "quantized") else CI_KINDS
+# STREAMCTL_REAL_TP_MATRIX=1 as in test_real_parallelism.py (its other values name that module's rows)
+KINDS = MATRIX_KINDS if os.environ.get("STREAMCTL_REAL_TP_MATRIX", "") == "1" else CI_KINDS
 
 
 @pytest.fixture(scope="module")
