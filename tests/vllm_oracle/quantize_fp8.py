@@ -2,7 +2,8 @@
 
     quantize_fp8.py SRC DEST block       # DeepSeek-V3 / Qwen3-*-FP8: quant_method fp8, weight_block_size
                                          # [B, B] (FP8_BLOCK, default 16), `weight` float8_e4m3fn +
-                                         # `weight_scale_inv` float32 per block; routers in modules_to_not_convert
+                                         # `weight_scale_inv` float32 per block; Qwen's routers in
+                                         # modules_to_not_convert
     quantize_fp8.py SRC DEST ct          # compressed-tensors float-quantized, per-channel `weight_scale` [out, 1]
     quantize_fp8.py SRC DEST ct-tensor   # compressed-tensors float-quantized (llm-compressor's FP8): one
                                          # `weight_scale` [1] a weight, static `input_scale` [1]
@@ -183,7 +184,9 @@ def main(src: str, dest: str, kind: str) -> None:
     save_file(out, os.path.join(dest, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(src, "config.json")) as handle:
         config = json.load(handle)
-    config["quantization_config"] = quantization_config(kind, routers)
+    # Qwen3-*-FP8 list their routers; DeepSeek-V3/R1 list nothing (vLLM builds their gate unquantized)
+    listed = routers if str(config.get("model_type", "")).startswith("qwen") else []
+    config["quantization_config"] = quantization_config(kind, listed)
     with open(os.path.join(dest, "config.json"), "w") as handle:
         json.dump(config, handle, indent=2)
 
