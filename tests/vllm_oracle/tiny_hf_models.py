@@ -221,6 +221,17 @@ def configs() -> dict[str, Any]:
                 "num_key_value_heads": 2,
             }
         ),
+        # FP8 blocks of 128 at TP 2: q, o_proj and the MLP in whole blocks, but each rank's k and v 64 wide
+        "llama-wide-hd64": lambda: LlamaConfig(
+            **{
+                **COMMON,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+            }
+        ),
         # sizes vLLM's CPU int4 kernel refuses (CPUWNA16: every rank's input and output a multiple of 32):
         # qkv_proj's output is 64 + 8 + 8 = 80 at TP 1, 32 + 8 + 8 = 48 at TP 2 (the one KV head replicated);
         # every input a multiple of 32 per rank (int4 groups of 32), every output share a multiple of 8

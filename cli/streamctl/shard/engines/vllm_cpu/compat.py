@@ -20,9 +20,11 @@ What the worker needs of vLLM's internals, and why:
   tensor into it (`after_each_copy`);
 - registry internals: the model-class inspection moved from a subprocess into this one (`inspect_in_process`),
   so it sees the build-only stand-ins (shard/engines/vllm_cpu/shims.py);
-- the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`) and the list of
-  mixed-precision linear kernels the build-only int4 kernel joins (`cpu_mp_kernels`). The int4 split rules
-  (shard/engines/vllm_cpu/wna16.py) read public attributes of vLLM's parameters and kernels only.
+- the CPU platform: its triton-cpu configuration check (0.34, `configure_without_triton`), the list of
+  mixed-precision linear kernels the build-only int4 kernel joins (`cpu_mp_kernels`) and the list of FP8
+  block-scaled kernels the build-only FP8 block kernel joins (`cpu_fp8_block_kernels`). The int4 split rules
+  (shard/engines/vllm_cpu/wna16.py) read public attributes of vLLM's parameters and kernels only; the FP8
+  ones are vLLM's own checks (shard/engines/vllm_cpu/quantized.py).
 """
 
 from __future__ import annotations
@@ -106,6 +108,12 @@ TOUCH_POINTS: tuple[TouchPoint, ...] = (
     TouchPoint("vllm.model_executor.kernels.linear", "_POSSIBLE_KERNELS", "dict"),
     TouchPoint("vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel", "MPLinearKernel", "class"),
     TouchPoint("vllm.platforms", "current_platform._enum"),
+    TouchPoint("vllm.model_executor.kernels.linear", "_POSSIBLE_FP8_BLOCK_KERNELS", "dict"),
+    TouchPoint(
+        "vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel",
+        "Fp8BlockScaledMMLinearKernel",
+        "class",
+    ),
 )
 
 
@@ -400,3 +408,16 @@ def cpu_mp_kernels() -> tuple[list[Any], type] | None:
         return None
     listed = kernels._POSSIBLE_KERNELS.get(current_platform._enum)  # choose_mp_linear_kernel's own key
     return (listed, MPLinearKernel) if isinstance(listed, list) else None
+
+
+def cpu_fp8_block_kernels() -> tuple[list[Any], type] | None:
+    """The CPU platform's list of FP8 block-scaled linear kernels (`init_fp8_linear_kernel` walks it for a
+    `weight_block_size` layer) and their base class, or None off the CPU platform."""
+    from vllm.model_executor.kernels import linear as kernels
+    from vllm.model_executor.kernels.linear.scaled_mm.BlockScaledMMLinearKernel import Fp8BlockScaledMMLinearKernel
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    listed = kernels._POSSIBLE_FP8_BLOCK_KERNELS.get(current_platform._enum)
+    return (listed, Fp8BlockScaledMMLinearKernel) if isinstance(listed, list) else None

@@ -27,6 +27,13 @@ they go through streamctl/shard/engines/vllm_cpu/compat.py, whose version table 
   The stand-in is appended LAST to that list: it is chosen only where every real CPU kernel refused, it
   accepts any layer, and its process_weights_after_loading and apply_weights raise ShimCalled. Building and
   load_weights (all a sharding run and its checks do) never call either.
+- a last-resort FP8 block-scaled linear kernel on the CPU platform (`BuildOnlyFp8BlockScaledMMKernel`): an
+  FP8 block-quantized layer (fp8.py `Fp8LinearMethod` with `weight_block_size`, compressed-tensors'
+  `strategy: block`) registers its `weight` and block scales in `create_weights`, then `init_fp8_linear_kernel`
+  walks `_POSSIBLE_FP8_BLOCK_KERNELS[PlatformEnum.CPU]` (CPUFp8W8A8BlockScaledMMKernel,
+  CPUFp8BlockScaledMMKernel: both need AMX tiles and vllm._C's fp8_scaled_mm_cpu) and raises when none is
+  supported. Appended LAST, the same way as the WNA16 one; its process_weights_after_loading, apply_weights
+  and apply_block_scaled_mm raise ShimCalled.
 - vLLM inspects a model class in a subprocess (model_executor/models/registry.py `_run_in_subprocess`, there
   only to keep CUDA uninitialised) that would not see these stand-ins: `install()` runs it in this process.
 """
@@ -46,6 +53,7 @@ from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 TORCHVISION = "torchvision"
 TRITON_FOR_CONFIG = "triton (the CPU platform's configuration check)"
 MP_KERNEL = "BuildOnlyWNA16LinearKernel"  # its name in vLLM's "Using ... for ..." log lines too
+FP8_BLOCK_KERNEL = "BuildOnlyFp8BlockScaledMMKernel"  # vLLM logs "Selected ... for Fp8LinearMethod"
 # The torch.ops._C ops vLLM 0.33's CPU __init__ paths look up (activation.py); only the missing ones are defined.
 C_OPS: dict[str, str] = {
     "gelu_quick": "gelu_quick(Tensor(a!) out, Tensor input) -> ()",
@@ -165,6 +173,46 @@ def _install_mp_kernel() -> bool:
     return True
 
 
+def _install_fp8_block_kernel() -> bool:
+    """The build-only FP8 block-scaled kernel, last in the CPU platform's list (see the module docstring)."""
+    found = vllm_compat.cpu_fp8_block_kernels()
+    if found is None:
+        return False
+    listed, base = found
+    if any(kernel.__name__ == FP8_BLOCK_KERNEL for kernel in listed):
+        return True
+
+    class BuildOnlyFp8BlockScaledMMKernel(base):  # type: ignore[valid-type,misc]
+        """Any FP8 block-quantized linear layer, for building and loading only: no CPU GEMM behind it."""
+
+        @classmethod
+        def is_supported(cls, compute_capability: int | None = None) -> tuple[bool, str | None]:
+            return True, None
+
+        @classmethod
+        def can_implement(cls, config: Any) -> tuple[bool, str | None]:
+            return True, None
+
+        process_weights_after_loading = _refuse(f"{FP8_BLOCK_KERNEL}.process_weights_after_loading")
+        apply_weights = _refuse(f"{FP8_BLOCK_KERNEL}.apply_weights")
+        apply_block_scaled_mm = _refuse(f"{FP8_BLOCK_KERNEL}.apply_block_scaled_mm")
+
+    BuildOnlyFp8BlockScaledMMKernel.__name__ = BuildOnlyFp8BlockScaledMMKernel.__qualname__ = FP8_BLOCK_KERNEL
+    listed.append(BuildOnlyFp8BlockScaledMMKernel)
+    return True
+
+
+def fp8_kernel_of(module: Any) -> Any:
+    """The FP8 linear kernel a built linear layer holds (Fp8LinearMethod's `fp8_linear`, a compressed-tensors
+    scheme's), or None."""
+    for owner in (getattr(module, "quant_method", None), getattr(module, "scheme", None)):
+        for name in ("fp8_linear", "fp8_block_linear", "kernel"):
+            kernel = getattr(owner, name, None)
+            if kernel is not None and type(kernel).__name__ == FP8_BLOCK_KERNEL:
+                return kernel
+    return None
+
+
 def mp_kernel_of(module: Any) -> Any:
     """The MPLinearKernel a built linear layer holds (its quant method's, or its compressed-tensors
     scheme's), or None."""
@@ -185,6 +233,8 @@ def install() -> list[str]:
             _INSTALLED.append(TRITON_FOR_CONFIG)
         if _install_mp_kernel():
             _INSTALLED.append(MP_KERNEL)
+        if _install_fp8_block_kernel():
+            _INSTALLED.append(FP8_BLOCK_KERNEL)
         vllm_compat.inspect_in_process()
         _INSTALLED.append("")  # marks "done" even when nothing was missing
     return [name for name in _INSTALLED if name]
@@ -192,7 +242,7 @@ def install() -> list[str]:
 
 def used_by(model: Any) -> list[str]:
     """The installed stand-ins this built model looked up: the shim ops its modules hold, the build-only
-    kernel its quantized linear layers hold, and the stand-in
+    kernels its quantized linear layers hold, and the stand-in
     torchvision whenever it is imported (vLLM's own imports of transformers' image and video utilities
     already import it, whatever the model; Gemma 3 multimodal then needs it to build)."""
     installed = set(install())
@@ -205,6 +255,8 @@ def used_by(model: Any) -> list[str]:
         kernel = mp_kernel_of(module)
         if kernel is not None and type(kernel).__name__ == MP_KERNEL:
             used.add(MP_KERNEL)
+        if fp8_kernel_of(module) is not None:
+            used.add(FP8_BLOCK_KERNEL)
     if TORCHVISION in installed and isinstance(sys.modules.get(TORCHVISION), _StandInModule):
         used.add(TORCHVISION)
     return sorted(used)

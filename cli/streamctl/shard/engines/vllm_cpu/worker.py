@@ -21,7 +21,8 @@ plan   (worker_plan.py) `ModelConfig.verify_with_parallel_config` first (vLLM's 
        is written. A model whose vLLM class has no pipeline stages (not SupportsPP: BERT and other encoders)
        cannot be cut into pseudo stages: its names get the layer WHOLE_RANK and each rank is built and loaded
        whole (reply "layerwise": false). A weight-only quantized layer (AWQ, GPTQ, compressed-tensors int4)
-       whose rank share is not whole int32 words or quantization groups is refused here too (wna16.py).
+       whose rank share is not whole int32 words or quantization groups is refused here too (wna16.py), as is
+       an FP8 block-quantized one whose share is not whole blocks, and MXFP4 before any build (quantized.py).
 write  (worker_write.py) per part, consecutive names grouped by layer; the layer's HF tensors read once
        and kept for the next group; per TP rank the pseudo stage is built on the CPU, every floating parameter
        it sends NaN-poisoned (the rest set aside on the meta device), loaded by the model's own `load_weights`,

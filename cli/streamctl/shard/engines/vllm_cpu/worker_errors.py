@@ -7,13 +7,10 @@ import re
 import traceback
 from typing import Any
 
+from streamctl.shard.engines.vllm_cpu import quantized as vllm_quantized
 from streamctl.shard.engines.vllm_cpu.compat import VllmMoved
 from streamctl.shard.engines.vllm_cpu.protocol import ERROR_KINDS, UNSUPPORTED_VLLM, ProtocolError
 
-FP8_BLOCK_MISSING = (
-    "vLLM's CPU FP8 block kernel needs AMX tiles (Sapphire Rapids or newer) and vllm._C's fp8_scaled_mm_cpu, "
-    "which this CPU-only vLLM environment lacks"
-)
 MESSAGE_LIMIT = 600
 
 
@@ -78,13 +75,15 @@ def classify_build_error(error: Exception, quantization: str | None) -> WorkerEr
     message = one_line(error)
     if isinstance(error, WorkerError):
         return error
+    refusal = vllm_quantized.classify(error, message) if quantization else None
+    if refusal is not None:
+        return WorkerError(*refusal)
     if "divisible" in message or (
         isinstance(error, AssertionError) and any(word in message for word in _PARALLEL_WORDS)
     ):
         return WorkerError("bad-parallel-size", message)
     if quantization and ("kernel" in message.lower() or "quantiz" in message.lower()):
-        extra = f" ({FP8_BLOCK_MISSING})" if "ScaledMM" in message or "Fp8" in message else ""
-        return WorkerError("unsupported-quantization", message + extra)
+        return WorkerError("unsupported-quantization", message)
     if "meta tensor" in message:  # e.g. BLOOM's ALiBi slopes, computed and copied while it is constructed
         return WorkerError(
             "unsupported-architecture",

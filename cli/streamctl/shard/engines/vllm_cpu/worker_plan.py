@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
+from streamctl.shard.engines.vllm_cpu import quantized as vllm_quantized
 from streamctl.shard.engines.vllm_cpu import shims as vllm_shims
 from streamctl.shard.engines.vllm_cpu import wna16 as vllm_wna16
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
@@ -227,8 +228,9 @@ def plan_stage_names(
 
 
 def refuse_unsplittable(model: Any, tp: int) -> None:
-    """A quantized layer whose TP share is not whole int32 words or quantization groups (vllm_wna16)."""
-    problems = vllm_wna16.split_problems(model, tp)
+    """A quantized layer whose TP share is not whole int32 words or quantization groups (vllm_wna16), or not
+    whole FP8 blocks (vllm_quantized)."""
+    problems = vllm_wna16.split_problems(model, tp) + vllm_quantized.block_split_problems(model, tp)
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise WorkerError("bad-parallel-size", problems[0] + more)
@@ -314,6 +316,9 @@ def op_plan(channel: Channel, request: dict[str, Any]) -> Plan:
     config = config_or_refusal(request)
     model_config = config.model_config
     quantization = model_config.quantization
+    refusal = vllm_quantized.refusal_before_build(quantization)
+    if refusal:
+        raise WorkerError("unsupported-quantization", refusal)
     try:
         model_config.verify_with_parallel_config(
             ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep)
