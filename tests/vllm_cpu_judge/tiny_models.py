@@ -30,16 +30,28 @@ MLA: dict[str, Any] = {
     "qk_head_dim": 96,
     "head_dim": 64,
 }
+MROPE_32: dict[str, Any] = {
+    "type": "mrope",
+    "mrope_section": [4, 6, 6],
+    "rope_theta": 1000000.0,
+    "rope_type": "default",
+}
 TWO_HEAD_KINDS = ("llama", "mistral", "qwen2", "mixtral", "qwen2-moe", "starcoder2", "olmoe", "phimoe", "granitemoe")
 HEAD_DIM_KINDS = ("qwen3", "qwen3-moe", "gemma2", "gemma3-text", "gemma", "gpt-oss", "qwen3-next")
 OVERRIDES: dict[str, dict[str, Any]] = {
-    **{kind: {**TWO_HEADS} for kind in (*TWO_HEAD_KINDS, "jamba", "qwen2-vl", "qwen2_5-vl")},
+    **{kind: {**TWO_HEADS} for kind in (*TWO_HEAD_KINDS, "jamba")},
     **{kind: {"head_dim": HEAD_DIM} for kind in HEAD_DIM_KINDS},
     "phi3": {"num_attention_heads": 2, "num_key_value_heads": 2},
     "gpt2": {"n_head": 2},
     "falcon": {"num_attention_heads": 2, "num_kv_heads": 2},
     "gptneox": {"num_attention_heads": 2},
     "gemma3-mm": {"head_dim": HEAD_DIM},
+    # M-RoPE's sections must add up to head_dim / 2 (vLLM's mrope.py asserts it): Qwen2-VL's [16, 24, 24] of 128,
+    # scaled to 32
+    **{
+        kind: {**TWO_HEADS, "rope_scaling": MROPE_32, "rope_parameters": MROPE_32}
+        for kind in ("qwen2-vl", "qwen2_5-vl")
+    },
     **{kind: {**MLA} for kind in ("deepseek-v2", "deepseek-v3")},
 }
 
