@@ -102,6 +102,12 @@ class FailingParts:
             def upload_part(self, index: int, data: bytes) -> None:
                 raise UsageError("injected failure")
 
+            def kernel_copier(self) -> Any:  # a local DEST's copy inside the kernel fails the same way
+                def failing(source_fd: int, offset: int, length: int) -> int:
+                    raise UsageError("injected failure")
+
+                return failing
+
         return Upload()
 
 

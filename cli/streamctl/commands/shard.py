@@ -11,6 +11,8 @@ import typer
 
 from streamctl import output
 from streamctl.commands._options import (
+    K8S_JOB_HELP,
+    WORKER_HELP,
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -127,13 +129,10 @@ def command(
         typer.Option(
             "--worker",
             metavar="K/N",
-            help="Write share K of N (K from 0 to N-1): whole parts of every TP rank, balanced by bytes; N runs "
-            "anywhere, together or not, write it all, and the last completes the manifest.",
+            help=WORKER_HELP,
         ),
     ] = None,
-    k8s_job: Annotated[
-        bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this shard in-cluster.")
-    ] = False,
+    k8s_job: Annotated[bool, typer.Option("--k8s-job", help=K8S_JOB_HELP)] = False,
     namespace: NamespaceOption = "default",
     service_account: ServiceAccountOption = None,
     secret: SecretOption = None,

@@ -9,6 +9,8 @@ import typer
 
 from streamctl import output
 from streamctl.commands._options import (
+    K8S_JOB_HELP,
+    WORKER_HELP,
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -72,12 +74,10 @@ def command(
         typer.Option(
             "--worker",
             metavar="K/N",
-            help="Copy share K of N (K from 0 to N-1), balanced by bytes; N runs together copy it all.",
+            help=WORKER_HELP,
         ),
     ] = None,
-    k8s_job: Annotated[
-        bool, typer.Option("--k8s-job", help="Print a Kubernetes Job that runs this transfer in-cluster.")
-    ] = False,
+    k8s_job: Annotated[bool, typer.Option("--k8s-job", help=K8S_JOB_HELP)] = False,
     namespace: NamespaceOption = "default",
     service_account: ServiceAccountOption = None,
     secret: SecretOption = None,
