@@ -11,13 +11,24 @@ from streamctl import output
 if TYPE_CHECKING:
     from streamctl.storage.base import StorageOptions
 
-# `--worker` means the same in transfer and shard (this run is worker K of N): one help, so one variable,
-# STREAMCTL_WORKER, serves both.
-WORKER_HELP = (
-    "Do share K of N (K from 0 to N-1), balanced by bytes (transfer: files; shard: whole parts of every TP rank); "
-    "N runs anywhere, together or not, do it all, and the last completes the manifest."
-)
-K8S_JOB_HELP = "Print a Kubernetes Job that runs this command in-cluster (with --parallelism, an Indexed Job)."
+# `--worker` and `--k8s-job` mean the same in transfer and shard (this run is worker K of N; a Job runs it): one
+# declaration each, so one variable each (STREAMCTL_WORKER, STREAMCTL_K8S_JOB) serves both.
+WorkerOption = Annotated[
+    str | None,
+    typer.Option(
+        "--worker",
+        metavar="K/N",
+        help="Do share K of N (K from 0 to N-1), balanced by bytes (transfer: files; shard: whole parts of every TP "
+        "rank); N runs anywhere, together or not, do it all, and the last completes the manifest.",
+    ),
+]
+K8sJobOption = Annotated[
+    bool,
+    typer.Option(
+        "--k8s-job",
+        help="Print a Kubernetes Job that runs this command in-cluster (with --parallelism, an Indexed Job).",
+    ),
+]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 # --debug and --quiet are accepted before the command (`streamctl --debug transfer ...`) and after it; both
 # places use these declarations.

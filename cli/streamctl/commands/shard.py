@@ -11,8 +11,6 @@ import typer
 
 from streamctl import output
 from streamctl.commands._options import (
-    K8S_JOB_HELP,
-    WORKER_HELP,
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -20,12 +18,14 @@ from streamctl.commands._options import (
     HfTokenOption,
     ImageOption,
     JsonOption,
+    K8sJobOption,
     NamespaceOption,
     ParallelismOption,
     PathStyleOption,
     QuietOption,
     SecretOption,
     ServiceAccountOption,
+    WorkerOption,
     apply_output_flags,
     check_mode_options,
     check_option_scope,
@@ -124,15 +124,8 @@ def command(
             "--force", help="Write into a DEST that holds files; remove what earlier streamctl runs wrote there."
         ),
     ] = False,
-    worker: Annotated[
-        str | None,
-        typer.Option(
-            "--worker",
-            metavar="K/N",
-            help=WORKER_HELP,
-        ),
-    ] = None,
-    k8s_job: Annotated[bool, typer.Option("--k8s-job", help=K8S_JOB_HELP)] = False,
+    worker: WorkerOption = None,
+    k8s_job: K8sJobOption = False,
     namespace: NamespaceOption = "default",
     service_account: ServiceAccountOption = None,
     secret: SecretOption = None,

@@ -9,8 +9,6 @@ import typer
 
 from streamctl import output
 from streamctl.commands._options import (
-    K8S_JOB_HELP,
-    WORKER_HELP,
     AzureAccountOption,
     DebugOption,
     EndpointOption,
@@ -18,12 +16,14 @@ from streamctl.commands._options import (
     HfTokenOption,
     ImageOption,
     JsonOption,
+    K8sJobOption,
     NamespaceOption,
     ParallelismOption,
     PathStyleOption,
     QuietOption,
     SecretOption,
     ServiceAccountOption,
+    WorkerOption,
     apply_output_flags,
     check_mode_options,
     check_option_scope,
@@ -69,15 +69,8 @@ def command(
         bool, typer.Option("--force", help="Copy every file again; replace what an earlier streamctl run wrote there.")
     ] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run verify-index on DEST afterwards.")] = True,
-    worker: Annotated[
-        str | None,
-        typer.Option(
-            "--worker",
-            metavar="K/N",
-            help=WORKER_HELP,
-        ),
-    ] = None,
-    k8s_job: Annotated[bool, typer.Option("--k8s-job", help=K8S_JOB_HELP)] = False,
+    worker: WorkerOption = None,
+    k8s_job: K8sJobOption = False,
     namespace: NamespaceOption = "default",
     service_account: ServiceAccountOption = None,
     secret: SecretOption = None,
