@@ -277,14 +277,22 @@ def children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def time_cp(source: Path, dest: Path, drop: bool) -> tuple[float, float]:
-    """cp of the weight files, then sync of the copies (streamctl fsyncs what it writes): (seconds, CPU s)."""
+def time_cp(source: Path, dest: Path, drop: bool, read_back: bool = False) -> tuple[float, float]:
+    """cp of the weight files, then sync of the copies (streamctl fsyncs what it writes): (seconds, CPU s).
+    `read_back`: then every copied byte read back and hashed (sha256sum, on as many processes as cores): the
+    floor of a run that keeps the README's checks after writing, which read back everything written once the
+    files are complete, so that pass cannot overlap the writes."""
     files = sorted(source.glob("*.safetensors"))
     dest.mkdir()
     settle(source, drop)
     cpu, started = children_cpu_seconds(), time.monotonic()
     subprocess.run(["cp", *map(str, files), str(dest)], check=True)
-    subprocess.run(["sync", *(str(dest / file.name) for file in files)], check=True)
+    copies = [str(dest / file.name) for file in files]
+    subprocess.run(["sync", *copies], check=True)
+    if read_back:
+        processes = str(os.cpu_count() or 1)
+        subprocess.run(["xargs", "-0", "-n", "1", "-P", processes, "sha256sum"], input="\0".join(copies).encode(),
+                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
     seconds, cpu = time.monotonic() - started, children_cpu_seconds() - cpu
     shutil.rmtree(dest)
     return seconds, cpu

@@ -9,7 +9,10 @@ the shallow, shard of the deep. From each round:
 - fixed start = shard shallow - its bytes x streamctl's extra seconds per extra byte: the seconds a run
   costs whatever its size (the line through both depths, at zero bytes);
 - whole-run ratio at each depth, as the other cases: throughput against that round's cp;
-- CPU seconds (user + system, the vLLM worker included) and its marginal per GB.
+- CPU seconds (user + system, the vLLM worker included) and its marginal per GB;
+- the floor, informational: cp + sync, then every copied byte read back and sha256-hashed on every core (the
+  least a run pays that keeps the README's checks after writing: they read back what was written once it is
+  complete), timed in the same rounds, and streamctl's marginal against the floor's.
 The medians over rounds are reported and judged.
 """
 
@@ -101,8 +104,8 @@ class RealCase:
     fixed_target_s: float
 
 
-# time_cp(source, dest, drop) -> (seconds, CPU s); time_shard(scratch, tp, drop, engine, source) -> a run or None
-CpTimer = Callable[[Path, Path, bool], tuple[float, float]]
+# time_cp(source, dest, drop, read_back=False) -> (seconds, CPU s); time_shard(scratch, tp, drop, engine, source) -> a run or None
+CpTimer = Callable[..., tuple[float, float]]
 ShardTimer = Callable[[Path, int, bool, list[str], Path], Any]
 
 
@@ -111,13 +114,14 @@ class Rounds:
     cp: dict[int, list[float]]
     cp_cpu: dict[int, list[float]]
     shard: dict[int, list[Any]]  # layers -> ShardRun per round
+    floor: dict[int, list[float]]  # layers -> seconds of cp + sync + a sha256 read-back per round
 
 
 def measure(
     case: RealCase, depths: tuple[Depth, Depth], scratch: Path, tp: int, args: Any, timers: tuple[CpTimer, ShardTimer]
 ) -> Rounds | None:
     time_cp, time_shard = timers
-    rounds = Rounds({}, {}, {})
+    rounds = Rounds({}, {}, {}, {})
     drop = not args.keep_page_cache
     for number in range(args.repeat):
         order = depths if number % 2 == 0 else depths[::-1]
@@ -125,6 +129,7 @@ def measure(
             seconds, cpu = time_cp(depth.folder, scratch / "cp", drop)
             rounds.cp.setdefault(depth.layers, []).append(seconds)
             rounds.cp_cpu.setdefault(depth.layers, []).append(cpu)
+            rounds.floor.setdefault(depth.layers, []).append(time_cp(depth.folder, scratch / "cp", drop, True)[0])
         for depth in order:
             run = time_shard(scratch, tp, drop, case.engine, depth.folder)
             if run is None:
@@ -147,23 +152,29 @@ def report(case: RealCase, depths: tuple[Depth, Depth], tp: int, rounds: Rounds,
     """The table per depth, the marginal and fixed figures per round, and the verdicts."""
     shallow, deep = depths
     extra = deep.nbytes - shallow.nbytes
-    table = Table(["run (median)", "bytes", "cp s", "shard s", "x cp", "write s", "CPU s", "cp CPU s", "peak RSS"])
+    headers = ["run (median)", "bytes", "cp s", "floor s", "shard s", "x cp", "x floor", "write s", "CPU s", "cp CPU s"]
+    table = Table([*headers, "peak RSS"])
     for depth in depths:
         runs, cps = rounds.shard[depth.layers], rounds.cp[depth.layers]
         ratios = [run.bytes_written / run.seconds / (depth.nbytes / cp) for run, cp in zip(runs, cps, strict=True)]
+        floors = rounds.floor[depth.layers]
+        to_floor = [floor / run.seconds for run, floor in zip(runs, floors, strict=True)]
         table.add(
             f"{depth.layers} layers, TP {tp}", human_bytes(depth.nbytes), f"{median(cps):.2f}",
-            f"{median([run.seconds for run in runs]):.2f}", f"{median(ratios):.2f}",
+            f"{median(floors):.2f}", f"{median([run.seconds for run in runs]):.2f}", f"{median(ratios):.2f}",
+            f"{median(to_floor):.2f}",
             f"{median([run.write_seconds for run in runs]):.2f}", f"{median([run.cpu_s for run in runs]):.1f}",
             f"{median(rounds.cp_cpu[depth.layers]):.1f}", human_bytes(max(run.peak_rss for run in runs)),
         )  # fmt: skip
     table.print()
-    marginal, fixed, cpu_per_gb, starts = [], [], [], []
+    marginal, fixed, cpu_per_gb, starts, floor_marginal = [], [], [], [], []
     for index in range(len(rounds.cp[deep.layers])):
         low, high = rounds.shard[shallow.layers][index], rounds.shard[deep.layers][index]
         cp_extra = rounds.cp[deep.layers][index] - rounds.cp[shallow.layers][index]
         shard_extra = high.seconds - low.seconds
         marginal.append(cp_extra / shard_extra if shard_extra > 0 else float("inf"))
+        floor_extra = rounds.floor[deep.layers][index] - rounds.floor[shallow.layers][index]
+        floor_marginal.append(floor_extra / shard_extra if shard_extra > 0 else float("inf"))
         fixed.append(low.seconds - shallow.nbytes * shard_extra / extra)
         cpu_per_gb.append((high.cpu_s - low.cpu_s) / (extra / GB))
         if low.worker_write_seconds is not None:
@@ -177,6 +188,14 @@ def report(case: RealCase, depths: tuple[Depth, Depth], tp: int, rounds: Rounds,
         f"({layer_s / per_layer:.2f} s per {human_bytes(deep.largest_layer)} layer), cp +{cp_layer_s:.2f} s "
         f"({cp_layer_s / per_layer:.2f} s); streamctl's marginal CPU {median(cpu_per_gb):.1f} s/GB"
         + (f"; worker start + plan of the shallow run {median(starts):.1f} s" if starts else "")
+    )
+    floor_layer_s = median(
+        [a - b for a, b in zip(rounds.floor[deep.layers], rounds.floor[shallow.layers], strict=True)]
+    )
+    print(
+        f"[{case.key}] the floor (cp + sync + a sha256 read-back on every core) +{floor_layer_s:.2f} s for those "
+        f"layers: streamctl's marginal is {median(floor_marginal):.2f} x the floor's "
+        f"({', '.join(f'{m:.2f}' for m in floor_marginal)}), {median(marginal):.2f} x cp's"
     )
     name = f"{case.key} ({case.shape.name}, {case.shape.kind}, {shallow.layers} and {deep.layers} layers, TP {tp})"
     return [
