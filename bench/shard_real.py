@@ -148,6 +148,11 @@ def measure(
     return rounds
 
 
+def extra_ratio(baseline_extra: float, shard_extra: float) -> float:
+    """The baseline's extra seconds for the extra layers over streamctl's (inf: streamctl's did not grow)."""
+    return baseline_extra / shard_extra if shard_extra > 0 else float("inf")
+
+
 def report(case: RealCase, depths: tuple[Depth, Depth], tp: int, rounds: Rounds, targets: Targets) -> list[str]:
     """The table per depth, the marginal and fixed figures per round, and the verdicts."""
     shallow, deep = depths
@@ -172,9 +177,9 @@ def report(case: RealCase, depths: tuple[Depth, Depth], tp: int, rounds: Rounds,
         low, high = rounds.shard[shallow.layers][index], rounds.shard[deep.layers][index]
         cp_extra = rounds.cp[deep.layers][index] - rounds.cp[shallow.layers][index]
         shard_extra = high.seconds - low.seconds
-        marginal.append(cp_extra / shard_extra if shard_extra > 0 else float("inf"))
         floor_extra = rounds.floor[deep.layers][index] - rounds.floor[shallow.layers][index]
-        floor_marginal.append(floor_extra / shard_extra if shard_extra > 0 else float("inf"))
+        marginal.append(extra_ratio(cp_extra, shard_extra))
+        floor_marginal.append(extra_ratio(floor_extra, shard_extra))
         fixed.append(low.seconds - shallow.nbytes * shard_extra / extra)
         cpu_per_gb.append((high.cpu_s - low.cpu_s) / (extra / GB))
         if low.worker_write_seconds is not None:
