@@ -621,10 +621,11 @@ def _vllm_cpu_checks(result: ShardResult) -> list[str]:
     assert isinstance(digests, TensorDigestReport)
     state = "[green]OK[/]" if digests.ok else "[bold red]FAILED[/]"
     reused = f", {plural(digests.reused_files, 'reused file')} by sha256" if digests.reused_files else ""
+    how = "loaded back by vLLM" if digests.read_by == "vllm-loader" else "re-read"
     phrases = [
         "tensors vs vLLM's rank models",
         state,
-        f"({plural(digests.tensors, 'tensor')}, {human_bytes(digests.bytes_compared)} re-read{reused});",
+        f"({plural(digests.tensors, 'tensor')}, {human_bytes(digests.bytes_compared)} {how}{reused});",
         "vLLM's ShardedStateLoader",
     ]
     if loader is None:

@@ -138,7 +138,7 @@ def test_dest_bucket_gets_every_tensor_of_vllms_rank_model(
     assert names == sorted(
         ["config.json", "generation_config.json", SHARD_MANIFEST_NAME, *(f.path for f in result.files)]
     )
-    manifest = json.loads(dest.store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, 1 << 20))
+    manifest = _manifest(dest)
     assert manifest["engine"] == "vllm-cpu" and manifest["complete"]
 
 
@@ -152,6 +152,11 @@ def test_a_dest_too_long_for_the_planned_names_is_refused_before_the_lease(
     with pytest.raises(UsageError, match=r"name too long for S3: .* is 1,\d{3} bytes of UTF-8.*; S3 holds 1,024"):
         shard_checkpoint(open_location(str(tiny["llama"])), dest, vllm_cpu(2), worker=worker)
     assert list(open_location(s3_root.rpartition("/")[0]).store.list("")) == []
+
+
+def _manifest(dest: Any) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(dest.store.read_range(dest.key(SHARD_MANIFEST_NAME), 0, 1 << 20))
+    return document
 
 
 def _header_size(dest: Any, path: str) -> int:
@@ -397,9 +402,9 @@ for line in sys.stdin.buffer:
               "stages": [{"pp_rank": 0, "layers": [0, 1], "tensors": tensors}]})
     elif request["op"] == "write":
         first = request["stages"][0]["parts"][0][0]
-        if mode in ("sha-right", "sha-wrong", "loader-bad"):
+        if mode in ("sha-right", "sha-wrong", "sha-wrong-bucket", "loader-bad"):
             for name in request["stages"][0]["parts"][0]:
-                sha = hashlib.sha256(b"\1" * 128).hexdigest() if mode != "sha-wrong" else "0" * 64
+                sha = "0" * 64 if mode.startswith("sha-wrong") else hashlib.sha256(b"\1" * 128).hexdigest()
                 send({"type": "tensor", "pp_rank": 0, "tp_rank": 0, "name": name, "dtype": "BF16", "shape": [64],
                       "nbytes": 128, "sha256": sha}, b"\1" * 128)
             send({"type": "written", "seconds": 0.1, "peak_rss_mib": 1.0, "kept_construction_value": []})
@@ -416,9 +421,13 @@ for line in sys.stdin.buffer:
             send({"type": "tensor", "pp_rank": 0, "tp_rank": 0, "name": "c.weight", "dtype": "BF16", "shape": [64],
                   "nbytes": 128, "sha256": "0" * 64}, b"\1" * 128)
         sys.stdin.buffer.read()
-    elif request["op"] == "check":
-        problems = ["a.weight: loaded bytes differ from the written ones (sha256)"] if mode == "loader-bad" else []
-        rank = {"pp_rank": 0, "tp_rank": 0, "ok": not problems, "tensors": 2, "problems": problems, "skipped": None}
+    elif request["op"] == "check":  # what the real worker answers: its sha256 of each loaded tensor against the sent one
+        problems = {"loader-bad": ["c.weight: loaded but not planned"],
+                    "sha-wrong": [f"{n}.weight: loaded bytes differ from the written ones (sha256)" for n in "ab"]}
+        problems = problems.get(mode, [])
+        matched = 0 if mode == "sha-wrong" else 2
+        rank = {"pp_rank": 0, "tp_rank": 0, "ok": not problems, "tensors": 2, "tensors_matched": matched,
+                "bytes_matched": 128 * matched, "problems": problems}
         send({"type": "checked", "loader": "runai_streamer_sharded", "ranks": [rank], "peak_rss_mib": 1.0})
 """
 
@@ -463,45 +472,52 @@ def test_a_worker_that_dies_or_lies_mid_write_leaves_nothing(
     assert not dest.exists() or sorted(str(path.relative_to(dest)) for path in dest.rglob("*")) == []
 
 
-@pytest.mark.parametrize("mode", ["sha-right", "sha-wrong", "loader-bad"])
+@pytest.mark.parametrize("mode", ["sha-right", "sha-wrong", "sha-wrong-bucket", "loader-bad"])
 def test_the_checks_after_writing_judge_the_files_by_the_workers_digests_and_loader(
-    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], s3_root: str
 ) -> None:
     """A worker whose bytes match its sha256 and whose loader check passes: a complete run, the worker's
-    log frame shown, the report naming both checks. A sha256 the DEST bytes do not have, or a rank vLLM's loader rejects:
-    ShardCheckFailed (exit 1), the manifest left incomplete."""
+    log frame shown, the report naming both checks, the tensor check the loader's sha256 comparisons (one read
+    of DEST). A sha256 the DEST bytes do not have (found by vLLM's loader on a local DEST, by re-reading every
+    tensor from a bucket), or a rank vLLM's loader rejects: ShardCheckFailed (exit 1), the manifest left
+    incomplete."""
     write_model(tmp_path / "hf", "llama-gqa", num_hidden_layers=1)
-    dest = tmp_path / "out"
+    dest = open_location(s3_root if mode == "sha-wrong-bucket" else str(tmp_path / "out"))
     progress = RecordingProgress()
     with hostile_worker(tmp_path, mode, monkeypatch) as hostile:
-        run = partial(
-            shard_checkpoint, open_location(str(tmp_path / "hf")), open_location(str(dest)), vllm_cpu(1), progress
-        )
+        run = partial(shard_checkpoint, open_location(str(tmp_path / "hf")), dest, vllm_cpu(1), progress)
         if mode == "sha-right":
             result = run(worker=hostile)
             assert result.ok and result.tensor_check is not None and result.tensor_check.tensors == 2
+            assert result.tensor_check.read_by == "vllm-loader" and result.tensor_check.bytes_compared == 256
             assert result.loader_check is not None and result.loader_check.checked == 1
             assert ("log", "hostile worker: planning") in progress.events
-            assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is True
+            assert _manifest(dest)["complete"] is True
             output.render_shard_result(result)
             shown = " ".join(capsys.readouterr().out.split())
             assert "engine vllm-cpu" in shown and "vLLM 0.33.0 model code" in shown, shown
-            assert "tensors vs vLLM's rank models OK (2 tensors" in shown, shown
+            assert "tensors vs vLLM's rank models OK (2 tensors, 256 B loaded back by vLLM)" in shown, shown
             assert "vLLM's ShardedStateLoader OK (1 rank loaded)" in shown, shown
             return
         with pytest.raises(ShardCheckFailed) as raised:
             run(worker=hostile)
     failed = raised.value.result
     assert isinstance(failed, ShardResult) and raised.value.exit_code == 1
-    if mode == "sha-wrong":
+    if mode.startswith("sha-wrong"):
         assert failed.tensor_check is not None and not failed.tensor_check.ok
         assert "differ from vLLM's rank model" in failed.tensor_check.problems[0]
-        assert "tensor check failed" in raised.value.message
+        bucket = mode == "sha-wrong-bucket"
+        assert (
+            "the tensor check failed" if bucket else "the tensor and vLLM loader check failed"
+        ) in raised.value.message
+        assert failed.tensor_check.read_by == ("re-read" if bucket else "vllm-loader")
+        assert (failed.loader_check is None) == bucket
     else:
+        assert failed.tensor_check is not None and failed.tensor_check.ok
         assert failed.loader_check is not None and not failed.loader_check.ok
-        assert "loaded bytes differ" in failed.loader_check.problems[0]
+        assert "loaded but not planned" in failed.loader_check.problems[0]
         assert "vLLM loader check failed" in raised.value.message
-    assert json.loads((dest / SHARD_MANIFEST_NAME).read_text())["complete"] is False
+    assert _manifest(dest)["complete"] is False
     output.render_shard_checks(failed)
     shown = " ".join(capsys.readouterr().out.split())
     assert "tensor check: " in shown and "FAILED" in shown, shown

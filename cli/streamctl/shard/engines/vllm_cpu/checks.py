@@ -1,7 +1,9 @@
-"""`--engine vllm-cpu`'s checks after writing, beside verify-index --sharded: every written tensor re-read
-from DEST and its sha256 compared with the one the worker computed on vLLM's rank model
-(`check_tensor_digests`), and, for a local DEST, vLLM's own ShardedStateLoader run by the worker on the
-written files, every rank a tensor at a time (`LoaderCheckReport`, from the worker's "checked" frame)."""
+"""`--engine vllm-cpu`'s checks after writing, beside verify-index --sharded: every written tensor's sha256
+from DEST compared with the one the worker computed on vLLM's rank model, and, for a local DEST, vLLM's own
+ShardedStateLoader run by the worker on the written files, every rank a tensor at a time (`LoaderCheckReport`,
+from the worker's "checked" frame). On a local DEST the loader check hashes every parameter it loads against
+the sent sha256, so it is the tensor check too (`digests_from_loader`): one read of DEST, not two. Elsewhere
+(a bucket, a `--worker` share) every tensor is re-read from DEST (`check_tensor_digests`)."""
 
 from __future__ import annotations
 
@@ -32,12 +34,14 @@ class TensorDigestReport:
     bytes_compared: int
     problems: tuple[str, ...]
     reused_files: int = 0  # rank files a re-run kept: checked by their whole-file sha256 instead
+    read_by: str = "re-read"  # how the bytes came back from DEST: "re-read", or "vllm-loader" (digests_from_loader)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "ok": self.ok,
             "tensors": self.tensors,
             "bytes_compared": self.bytes_compared,
+            "read_by": self.read_by,
             "reused_files": self.reused_files,
             "problems": list(self.problems),
         }
@@ -50,7 +54,8 @@ class LoaderCheckReport:
 
     ok: bool
     loader: str
-    ranks: tuple[Mapping[str, Any], ...]  # {"pp_rank", "tp_rank", "ok", "tensors", "problems", "rss_peak_mib"}
+    # {"pp_rank", "tp_rank", "ok", "tensors", "tensors_matched", "bytes_matched", "problems", "rss_peak_mib"}
+    ranks: tuple[Mapping[str, Any], ...]
     peak_rss_mib: float | None = None
     missing: tuple[tuple[int, int], ...] = ()  # (pp_rank, tp_rank) written by this run that the worker did not check
 
@@ -152,3 +157,26 @@ def check_tensor_digests(
     if len(problems) > MAX_PROBLEMS_SHOWN:
         shown += (f"... and {len(problems) - MAX_PROBLEMS_SHOWN} more",)
     return TensorDigestReport(not problems, len(work), compared, shown, reused_files)
+
+
+def digests_from_loader(
+    loader: LoaderCheckReport, digests: TensorDigests, *, reused_files: int = 0
+) -> TensorDigestReport:
+    """The tensor check of a local DEST, from vLLM's loader check: it loaded every rank from DEST and compared
+    each sent tensor's loaded bytes with the sha256 the worker sent (worker_check.RankTally). Every rank this
+    run sent tensors of must have all of them matched."""
+    sent: dict[tuple[int, int], int] = {}
+    for pp_rank, tp_rank, _ in digests:
+        sent[(pp_rank, tp_rank)] = sent.get((pp_rank, tp_rank), 0) + 1
+    by_rank = {(rank.get("pp_rank"), rank.get("tp_rank")): rank for rank in loader.ranks}
+    problems, matched, compared = [], 0, 0
+    for (pp_rank, tp_rank), count in sorted(sent.items()):
+        rank = by_rank.get((pp_rank, tp_rank), {})
+        rank_matched = int(rank.get("tensors_matched") or 0)
+        matched, compared = matched + rank_matched, compared + int(rank.get("bytes_matched") or 0)
+        if rank_matched != count:
+            problems.append(
+                f"PP stage {pp_rank}, TP rank {tp_rank}: {count - rank_matched} of the {count} tensors sent differ "
+                "from vLLM's rank model when vLLM's loader reads them back from DEST (sha256), or were not loaded"
+            )
+    return TensorDigestReport(not problems, matched, compared, tuple(problems), reused_files, "vllm-loader")

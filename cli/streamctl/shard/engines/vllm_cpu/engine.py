@@ -30,7 +30,12 @@ from streamctl.retry import RetryPolicy, with_retries
 from streamctl.shard.checks import check_verify
 from streamctl.shard.dest import RunKind, check_shard_names, output_names, plan_dest, refuse_unusable_dest_early
 from streamctl.shard.engine import Checks, EngineRun, Written
-from streamctl.shard.engines.vllm_cpu.checks import LoaderCheckReport, TensorDigests, check_tensor_digests
+from streamctl.shard.engines.vllm_cpu.checks import (
+    LoaderCheckReport,
+    TensorDigests,
+    check_tensor_digests,
+    digests_from_loader,
+)
 from streamctl.shard.engines.vllm_cpu.client import ReadSource, VllmWorker, plan_request, start_worker
 from streamctl.shard.plan import (
     Engine,
@@ -548,24 +553,21 @@ class VllmCpuEngine:
         return Written(routed.files, routed.bytes_written, report)
 
     def checks(self, run: EngineRun, plan: ShardPlan, written: Written) -> Checks:
-        """vLLM's loader check runs in the worker while this process runs its own two checks."""
+        """vLLM's loader check (local DEST) runs in the worker while this process runs verify-index; its
+        per-tensor sha256 comparisons are the tensor check. Without it, every tensor is re-read from DEST."""
         dest, options, progress = run.dest, run.options, run.progress
         assert self._routed is not None
+        sent, reused = self._routed.digests, len(skipped_files(plan))
         whole = plan.share is None  # a `--worker` share checks its own tensors; whole_checks the rest at the end
-        loader_check_started = whole and self._start_loader_check(dest, plan)
+        if whole and self._start_loader_check(dest, plan):
+            verified = check_verify(dest, plan, progress)
+            loader = self._loader_check({(pp_rank, tp_rank) for pp_rank, tp_rank, _ in sent})
+            return Checks(verified, None, digests_from_loader(loader, sent, reused_files=reused), loader)
         verify = check_verify(dest, plan, progress) if whole else None
         digests = check_tensor_digests(
-            dest,
-            plan,
-            self._routed.digests,
-            options.retry,
-            progress,
-            reused_files=len(skipped_files(plan)),
-            chunk=options.read_block,
+            dest, plan, sent, options.retry, progress, reused_files=reused, chunk=options.read_block
         )
-        written_ranks = {(pp_rank, tp_rank) for pp_rank, tp_rank, _ in self._routed.digests}
-        loader = self._loader_check(written_ranks) if loader_check_started else None
-        return Checks(verify, None, digests, loader)
+        return Checks(verify, None, digests, None)
 
     def whole_checks(self, run: EngineRun, plan: ShardPlan) -> Checks:
         """The `--worker` run completing the set: verify-index, and vLLM's loader on every rank (local DEST;

@@ -50,6 +50,8 @@ class RankTally:
     seen: set[str] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
     peak_mib: float = 0.0  # resident memory right after a copy, its largest
+    matched: int = 0  # sent tensors whose loaded bytes have the sent sha256
+    matched_bytes: int = 0
     unloaded: dict[int, set[str]] = field(default_factory=dict)  # storage -> its targets not yet copied
 
     def __post_init__(self) -> None:
@@ -64,8 +66,12 @@ class RankTally:
         self.seen.add(name)
         self.peak_mib = max(self.peak_mib, rss_mib())
         expected = self.sent.get(name)
-        if expected is not None and hashlib.sha256(raw_bytes(target)).hexdigest() != expected:
-            self.problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
+        if expected is not None:
+            loaded = raw_bytes(target)
+            if hashlib.sha256(loaded).hexdigest() == expected:
+                self.matched, self.matched_bytes = self.matched + 1, self.matched_bytes + loaded.nbytes
+            else:
+                self.problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
         self.release(target, name)
         if self.drop_source:
             drop_tensor_pages(source)
@@ -138,6 +144,8 @@ def check_rank(plan: Plan, pp_rank: int, tp_rank: int, request: dict[str, Any], 
         "tp_rank": tp_rank,
         "ok": not problems,
         "tensors": len(tally.seen & set(tally.sent)),  # hashed against the written bytes
+        "tensors_matched": tally.matched,  # of those, the ones whose sha256 matched: the parent's tensor check
+        "bytes_matched": tally.matched_bytes,
         "problems": problems,
         "rss_peak_mib": tally.peak_mib,
     }
