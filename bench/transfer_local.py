@@ -14,21 +14,26 @@ Method
   script's own ~20 MB, which ru_maxrss carries across exec), into a fresh DEST
   that is removed (and the disk synced, so one run's dirty pages never bill the next) after each:
   (a) `cp -r SRC DEST` (coreutils: copy_file_range, no hashing, no fsync);
+  (a') `cp -r SRC DEST && sync DEST/*` (the same, then every file fsynced: cp made durable, as streamctl's
+      files are before they are renamed into place and recorded in the manifest; the floor of any copier
+      that keeps that promise);
   (b) `python -m streamctl transfer SRC DEST --json` with its defaults (each file copied inside the kernel,
       copy_file_range as cp does, while one thread reads the source beside it for the sha256 of every byte;
       temporary files renamed into place after fsync, the manifest, verify-index of DEST at the end);
   (c) the floor of a copier that hashes in its own pass: one Python thread reading each file in 8 MiB blocks
       into one buffer, hashing and writing each block, then fsync;
   (d) sha256 alone: the same reads and hashing, nothing written.
-  (a) and (b) run in `--rounds` rounds (3; --quick 1), alternating which goes first, and each round's ratio
-  is cp's wall time over streamctl's (1.0 = as fast as cp); the median round is reported. (c) and (d) run
+  (a), (a') and (b) run in `--rounds` rounds (3; --quick 1), the order rotating, and each round's ratio
+  is cp's wall time over streamctl's (1.0 = as fast as cp); the median round is reported, and beside it
+  the same against cp + fsync. (c) and (d) run
   once, after the first round.
 - Checks: every DEST file streamctl wrote has the source's size, and the sha256 streamctl reports for it is
   the one the floor computed.
 
 Targets (exit 1 on a miss): streamctl >= 0.6x cp (the median round's ratio). The ratio to the floor is
-printed beside it, and the overlap bound: per round the slower of cp and sha256 alone, the least a copier
-pays that copies in the kernel and hashes beside it on another core (cp's copy itself does not hash).
+printed beside it, and the overlap bound: per round the slower of cp + fsync and sha256 alone, the least a
+durable copier pays that copies in the kernel and hashes beside it on another core (cp's copy itself does not
+hash).
 """
 
 from __future__ import annotations
@@ -198,9 +203,13 @@ def fresh(dest: Path) -> None:
     os.sync()
 
 
-def run_cp(source: Path, dest: Path, round_number: int, env: dict[str, str]) -> Run:
+def run_cp(source: Path, dest: Path, round_number: int, env: dict[str, str], durable: bool = False) -> Run:
+    """cp -r; `durable`: then every copied file fsynced (coreutils sync with file operands)."""
+    argv = ["cp", "-r", str(source), str(dest)]
+    if durable:
+        argv = ["sh", "-c", 'cp -r "$1" "$2" && sync "$2"/*', "cp", str(source), str(dest)]
     try:
-        return measure("cp -r", round_number, ["cp", "-r", str(source), str(dest)], env)
+        return measure("cp -r + fsync" if durable else "cp -r", round_number, argv, env)
     finally:
         fresh(dest)
 
@@ -290,14 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         run_floor(source, dest, env, hash_only=True)  # reads it once: every method finds it in the page cache
         os.sync()
         cp_runs: list[Run] = []
+        durable_runs: list[Run] = []
         ours: list[Run] = []
         floors: list[Run] = []
         reported: dict[str, str] = {}
         for round_number in range(1, args.rounds + 1):
-            order = ("cp", "streamctl") if round_number % 2 else ("streamctl", "cp")
+            methods = ("cp", "cp+fsync", "streamctl")
+            order = methods[round_number % 3 :] + methods[: round_number % 3]
             for method in order:
                 if method == "cp":
                     cp_runs.append(run_cp(source, dest, round_number, env))
+                elif method == "cp+fsync":
+                    durable_runs.append(run_cp(source, dest, round_number, env, durable=True))
                 else:
                     run, reported = run_streamctl(source, dest, round_number, env)
                     ours.append(run)
@@ -306,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                     floor, digests = run_floor(source, dest, env, hash_only)
                     floors.append(floor)
     print()
-    print_runs([*sorted(cp_runs + ours, key=lambda run: (run.round, run.name)), *floors], size)
+    print_runs([*sorted(cp_runs + durable_runs + ours, key=lambda run: (run.round, run.name)), *floors], size)
     print()
     ratios = [cp.seconds / mine.seconds for cp, mine in zip(cp_runs, ours, strict=True)]
     ratio = statistics.median(ratios)
@@ -317,9 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"streamctl / floor (read+sha256+write, one thread, fsync): {floor_ratio:.2f}x; the floor itself is "
           f"{cp_runs[0].seconds / floor_run.seconds:.2f}x cp's round-1 speed; sha256 alone "
           f"{size / GB / floors[1].seconds:.2f} GB/s")  # fmt: skip
-    bounds = [max(cp.seconds, floors[1].seconds) / mine.seconds for cp, mine in zip(cp_runs, ours, strict=True)]
-    print(f"streamctl / the overlap bound (per round the slower of cp and sha256 alone: what a copier pays that "
-          f"hashes beside a kernel copy): median {statistics.median(bounds):.2f}x")  # fmt: skip
+    durable = [cp.seconds / mine.seconds for cp, mine in zip(durable_runs, ours, strict=True)]
+    print(f"streamctl / cp + fsync (cp made durable, as streamctl's files are): "
+          f"{', '.join(f'{r:.2f}x' for r in durable)}; median {statistics.median(durable):.2f}x; cp + fsync is "
+          f"{statistics.median(c.seconds / d.seconds for c, d in zip(cp_runs, durable_runs, strict=True)):.2f}x "
+          f"cp's speed")  # fmt: skip
+    bounds = [max(cp.seconds, floors[1].seconds) / mine.seconds for cp, mine in zip(durable_runs, ours, strict=True)]
+    print(f"streamctl / the overlap bound (per round the slower of cp + fsync and sha256 alone: what a durable "
+          f"copier pays that hashes beside a kernel copy): median {statistics.median(bounds):.2f}x")  # fmt: skip
     cpu = statistics.median(run.user_s + run.sys_s for run in ours)
     cp_cpu = statistics.median(run.user_s + run.sys_s for run in cp_runs)
     print(f"CPU (user+sys, median): streamctl {cpu:.2f} s, cp {cp_cpu:.2f} s, floor "

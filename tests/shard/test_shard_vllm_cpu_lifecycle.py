@@ -97,7 +97,9 @@ for line in sys.stdin.buffer:
                   "nbytes": 128, "sha256": hashlib.sha256(data).hexdigest()}, data)
         send({"type": "written", "seconds": 0.1, "peak_rss_mib": 1.0, "kept_construction_value": []})
     elif request["op"] == "check":
-        rank = {"pp_rank": 0, "tp_rank": 0, "ok": True, "tensors": 2, "problems": [], "skipped": None}
+        # As the real worker's check_rank: every sent tensor loaded back and its sha256 matched (2 x 128 bytes).
+        rank = {"pp_rank": 0, "tp_rank": 0, "ok": True, "tensors": 2, "tensors_matched": 2, "bytes_matched": 256,
+                "problems": [], "skipped": None}
         send({"type": "checked", "loader": "runai_streamer_sharded", "ranks": [rank], "peak_rss_mib": 1.0})
     working.clear()
 """

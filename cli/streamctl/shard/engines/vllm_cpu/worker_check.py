@@ -15,7 +15,9 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,19 +42,27 @@ def check_loader() -> str:
     return "runai_streamer_sharded"
 
 
+def sha256_hex(data: memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()  # hashlib lets go of the GIL over large buffers
+
+
 @dataclass
 class RankTally:
-    """What the loader copied into one rank's model, checked and released tensor by tensor."""
+    """What the loader copied into one rank's model, checked and released tensor by tensor. Each loaded
+    parameter is hashed on `hasher`'s thread while vLLM copies the next one (two cores: the sha256 and the
+    copy overlap); at most one waits there, so the check holds one parameter more than it copies."""
 
     targets: dict[str, Any]  # the model's state as the loader sees it (_filter_subtensors): name -> tensor
     sent: dict[str, str]  # name -> sha256 of the bytes write sent (names from reused files are absent)
     drop_source: bool  # the file tensor is a view of the file's mapping (sharded_state): release it too
+    hasher: Executor
     seen: set[str] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
     peak_mib: float = 0.0  # resident memory right after a copy, its largest
     matched: int = 0  # sent tensors whose loaded bytes have the sent sha256
     matched_bytes: int = 0
     unloaded: dict[int, set[str]] = field(default_factory=dict)  # storage -> its targets not yet copied
+    hashing: deque[tuple[str, Any, int, Future[str]]] = field(default_factory=deque)  # name, target, nbytes, sha256
 
     def __post_init__(self) -> None:
         for name, tensor in self.targets.items():
@@ -65,16 +75,29 @@ class RankTally:
             return
         self.seen.add(name)
         self.peak_mib = max(self.peak_mib, rss_mib())
-        expected = self.sent.get(name)
-        if expected is not None:
-            loaded = raw_bytes(target)
-            if hashlib.sha256(loaded).hexdigest() == expected:
-                self.matched, self.matched_bytes = self.matched + 1, self.matched_bytes + loaded.nbytes
-            else:
-                self.problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
-        self.release(target, name)
         if self.drop_source:
             drop_tensor_pages(source)
+        if name not in self.sent:
+            self.release(target, name)
+            return
+        loaded = raw_bytes(target)
+        self.hashing.append((name, target, loaded.nbytes, self.hasher.submit(sha256_hex, loaded)))
+        while len(self.hashing) > 1 or (self.hashing and self.hashing[0][3].done()):
+            self.settle()
+
+    def settle(self) -> None:
+        """The oldest parameter's sha256 (waiting for it) against the sent one; its memory back."""
+        name, target, nbytes, digest = self.hashing.popleft()
+        if digest.result() == self.sent[name]:
+            self.matched, self.matched_bytes = self.matched + 1, self.matched_bytes + nbytes
+        else:
+            self.problems.append(f"{name}: loaded bytes differ from the written ones (sha256)")
+        self.release(target, name)
+
+    def finish(self) -> None:
+        """Every parameter still hashing, settled (after the load, whatever its outcome)."""
+        while self.hashing:
+            self.settle()
 
     def release(self, target: Any, name: str) -> None:
         """The parameter's memory back once every target sharing its storage is checked: the storage freed
@@ -119,21 +142,25 @@ def check_rank(plan: Plan, pp_rank: int, tp_rank: int, request: dict[str, Any], 
         config = make_vllm_config(plan.request, loader_name, request.get("pattern"), str(request["dest_dir"]))
         model = vllm_compat.build_model(config)  # weights allocated, not written: no memory until loaded
         loader = get_model_loader(config.load_config)
-        tally = RankTally(
-            vllm_compat.filter_subtensors(model.state_dict()),
-            plan.sent.get((pp_rank, tp_rank), {}),
-            drop_source=loader_name == "sharded_state",
-        )
-        try:  # load_weights only: process_weights_after_loading is load_model's, after it
-            with (
-                set_current_vllm_config(config),
-                torch.no_grad(),
-                streamer_read_ahead(max(CHECK_READ_AHEAD, largest)),
-                vllm_compat.after_each_copy(loader, tally.copied),
-            ):
-                loader.load_weights(model, config.model_config)
-        except Exception as error:  # noqa: BLE001 - vLLM's verdict on the files
-            tally.problems.insert(0, f"vLLM {type(loader).__name__}.load_weights: {one_line(error)}")
+        with ThreadPoolExecutor(1, thread_name_prefix="check-sha256") as hasher:
+            tally = RankTally(
+                vllm_compat.filter_subtensors(model.state_dict()),
+                plan.sent.get((pp_rank, tp_rank), {}),
+                drop_source=loader_name == "sharded_state",
+                hasher=hasher,
+            )
+            try:  # load_weights only: process_weights_after_loading is load_model's, after it
+                with (
+                    set_current_vllm_config(config),
+                    torch.no_grad(),
+                    streamer_read_ahead(max(CHECK_READ_AHEAD, largest)),
+                    vllm_compat.after_each_copy(loader, tally.copied),
+                ):
+                    loader.load_weights(model, config.model_config)
+            except Exception as error:  # noqa: BLE001 - vLLM's verdict on the files
+                tally.problems.insert(0, f"vLLM {type(loader).__name__}.load_weights: {one_line(error)}")
+            finally:
+                tally.finish()
     problems = tally.problems
     if not problems:  # vLLM loaded every parameter: each must have passed through the check
         problems += [f"{name}: loaded without passing the check" for name in tally.targets if name not in tally.seen]

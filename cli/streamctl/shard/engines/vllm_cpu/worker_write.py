@@ -19,7 +19,7 @@ from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
 from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
 from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
-from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use
+from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use, pooled_allocations
 from streamctl.shard.engines.vllm_cpu.worker_plan import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
@@ -344,34 +344,50 @@ def _layer_groups(plan: Plan, pp_rank: int, part: list[str]) -> list[tuple[int, 
     return groups
 
 
+def write_layer_group(
+    channel: Channel,
+    plan: Plan,
+    pp_rank: int,
+    layer: int,
+    names: list[str],
+    cache: LayerCache,
+    phases: Phases,
+    kept: list[str],
+) -> None:
+    """One layer group (one layer, or WHOLE_RANK) of a stage built, loaded and sent for every TP rank."""
+    where = "every layer at once" if layer == WHOLE_RANK else f"layer {layer + 1} of {plan.num_layers}"
+    channel.log(f"stage {pp_rank}: {where}")
+    with phases.step("read"):
+        hf = layer_hf_tensors(channel, plan, layer, cache)
+    for tp_rank in range(plan.tp):
+        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf, names, phases)
+        with phases.step("send"):
+            send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
+        release_weights(model)  # one rank's weights alive at a time, without a gc per rank
+        del state, saved, model
+    with phases.step("gc"):
+        gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
+
+
 def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> None:
     if plan is None:
         raise WorkerError("protocol", "write before a successful plan")
     started = time.perf_counter()
     cache, phases = LayerCache(), Phases()
     kept: list[str] = []
-    try:
-        for stage in request.get("stages", []):
-            pp_rank = int(stage["pp_rank"])
-            if not 0 <= pp_rank < plan.pp:
-                raise WorkerError("protocol", f"write: pp_rank {pp_rank} is not a stage of the plan")
-            for part in stage.get("parts", []):
-                for layer, names in _layer_groups(plan, pp_rank, part):
-                    where = "every layer at once" if layer == WHOLE_RANK else f"layer {layer + 1} of {plan.num_layers}"
-                    channel.log(f"stage {pp_rank}: {where}")
-                    with phases.step("read"):
-                        hf = layer_hf_tensors(channel, plan, layer, cache)
-                    for tp_rank in range(plan.tp):
-                        state, saved, model = load_pseudo_stage(plan, layer, tp_rank, hf, names, phases)
-                        with phases.step("send"):
-                            send_group(channel, plan, pp_rank, tp_rank, names, state, saved, kept)
-                        release_weights(model)  # one rank's weights alive at a time, without a gc per rank
-                        del state, saved, model
-                    with phases.step("gc"):
-                        gc.collect()  # a built vLLM model sits in reference cycles: once per layer group
-    finally:
-        cache.drop()
-        gc.collect()
+    with pooled_allocations():
+        try:
+            for stage in request.get("stages", []):
+                pp_rank = int(stage["pp_rank"])
+                if not 0 <= pp_rank < plan.pp:
+                    raise WorkerError("protocol", f"write: pp_rank {pp_rank} is not a stage of the plan")
+                for part in stage.get("parts", []):
+                    for layer, names in _layer_groups(plan, pp_rank, part):
+                        write_layer_group(channel, plan, pp_rank, layer, names, cache, phases, kept)
+            channel.flush()  # every frame's bytes written (and freed) before the pool is handed back
+        finally:
+            cache.drop()
+            gc.collect()
     channel.send(
         {
             "type": "written",
