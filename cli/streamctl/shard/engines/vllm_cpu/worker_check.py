@@ -31,6 +31,9 @@ from streamctl.shard.engines.vllm_cpu.worker_plan import SAFETENSORS_DTYPES, Pla
 from streamctl.shard.engines.vllm_cpu.worker_write import peak_rss_mib, raw_bytes, release_weights
 
 CHECK_READ_AHEAD = 128 * 1024 * 1024  # the Run:ai streamer's buffers during the check (or the largest tensor)
+# A parameter up to this size is hashed while vLLM copies the next one; a larger one before the next copy
+# starts, so the check never holds two large parameters (Gemma 3's 0.6 GiB embedding share, twice).
+OVERLAP_LIMIT = 64 * 1024 * 1024
 STREAMER_LIMIT = "RUNAI_STREAMER_MEMORY_LIMIT"  # read by the streamer when a load starts
 
 
@@ -50,7 +53,8 @@ def sha256_hex(data: memoryview) -> str:
 class RankTally:
     """What the loader copied into one rank's model, checked and released tensor by tensor. Each loaded
     parameter is hashed on `hasher`'s thread while vLLM copies the next one (two cores: the sha256 and the
-    copy overlap); at most one waits there, so the check holds one parameter more than it copies."""
+    copy overlap); at most one of at most OVERLAP_LIMIT bytes waits there, so the check holds that much more
+    than the copy's."""
 
     targets: dict[str, Any]  # the model's state as the loader sees it (_filter_subtensors): name -> tensor
     sent: dict[str, str]  # name -> sha256 of the bytes write sent (names from reused files are absent)
@@ -82,7 +86,7 @@ class RankTally:
             return
         loaded = raw_bytes(target)
         self.hashing.append((name, target, loaded.nbytes, self.hasher.submit(sha256_hex, loaded)))
-        while len(self.hashing) > 1 or (self.hashing and self.hashing[0][3].done()):
+        while len(self.hashing) > 1 or (self.hashing and (self.hashing[0][3].done() or loaded.nbytes > OVERLAP_LIMIT)):
             self.settle()
 
     def settle(self) -> None:
