@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from streamctl.common.libc import drop_pages, libc
-
-# mallopt(3) parameters and glibc's defaults for them
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-DEFAULT_TRIM_THRESHOLD, DEFAULT_MMAP_THRESHOLD, DEFAULT_MMAP_MAX = 128 * 1024, 128 * 1024, 65536
+from streamctl.common.libc import drop_pages
 
 
 def rss_mib() -> float:
@@ -68,30 +63,3 @@ def dropped_after_use(pairs: Iterable[tuple[str, Any]], folder: str | None) -> I
         where = tensor_range(tensor) if mapped else None
         if where and any(start <= where[0] and where[1] <= end for start, end in mapped):
             drop_pages(where[0], where[1] - where[0])
-
-
-@contextmanager
-def pooled_allocations() -> Iterator[None]:
-    """Within: glibc's malloc keeps what is freed for the next allocation instead of handing it back to the
-    kernel. Every layer group builds its weights afresh (torch.empty, then the NaN poison writes them) and
-    frees them once sent; glibc maps each large one anew, so every layer's memory was fresh pages the kernel
-    zeroes first (clear_page: 7.6 of the worker's 17 CPU s writing Qwen3-30B-A3B's shapes, 6 layers). The
-    next layer's weights are the same sizes: kept, the pages are reused. Afterwards the kernel gets the
-    memory back (malloc_trim) and large allocations are mapped again (the loader check gives its memory back
-    a tensor at a time). A no-op without glibc."""
-    handle = libc()
-    mallopt = getattr(handle, "mallopt", None) if handle is not None else None
-    if mallopt is None:
-        yield
-        return
-    mallopt(M_MMAP_MAX, 0)  # from the heap, where free() keeps it
-    mallopt(M_TRIM_THRESHOLD, 2**31 - 1)  # never hand the heap's top back meanwhile
-    try:
-        yield
-    finally:
-        mallopt(M_MMAP_MAX, DEFAULT_MMAP_MAX)
-        mallopt(M_MMAP_THRESHOLD, DEFAULT_MMAP_THRESHOLD)
-        mallopt(M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)
-        trim = getattr(handle, "malloc_trim", None)
-        if trim is not None:
-            trim(0)

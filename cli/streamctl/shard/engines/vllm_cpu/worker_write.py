@@ -19,7 +19,7 @@ from streamctl.shard.engines.vllm_cpu import compat as vllm_compat
 from streamctl.shard.engines.vllm_cpu.compat import emulate_rank, pp_partition
 from streamctl.shard.engines.vllm_cpu.worker_channel import Channel
 from streamctl.shard.engines.vllm_cpu.worker_errors import WorkerError, one_line
-from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use, pooled_allocations
+from streamctl.shard.engines.vllm_cpu.worker_memory import dropped_after_use
 from streamctl.shard.engines.vllm_cpu.worker_plan import (
     SAFETENSORS_DTYPES,
     TORCH_TO_SAFETENSORS,
@@ -375,19 +375,17 @@ def op_write(channel: Channel, plan: Plan | None, request: dict[str, Any]) -> No
     started = time.perf_counter()
     cache, phases = LayerCache(), Phases()
     kept: list[str] = []
-    with pooled_allocations():
-        try:
-            for stage in request.get("stages", []):
-                pp_rank = int(stage["pp_rank"])
-                if not 0 <= pp_rank < plan.pp:
-                    raise WorkerError("protocol", f"write: pp_rank {pp_rank} is not a stage of the plan")
-                for part in stage.get("parts", []):
-                    for layer, names in _layer_groups(plan, pp_rank, part):
-                        write_layer_group(channel, plan, pp_rank, layer, names, cache, phases, kept)
-            channel.flush()  # every frame's bytes written (and freed) before the pool is handed back
-        finally:
-            cache.drop()
-            gc.collect()
+    try:
+        for stage in request.get("stages", []):
+            pp_rank = int(stage["pp_rank"])
+            if not 0 <= pp_rank < plan.pp:
+                raise WorkerError("protocol", f"write: pp_rank {pp_rank} is not a stage of the plan")
+            for part in stage.get("parts", []):
+                for layer, names in _layer_groups(plan, pp_rank, part):
+                    write_layer_group(channel, plan, pp_rank, layer, names, cache, phases, kept)
+    finally:
+        cache.drop()
+        gc.collect()
     channel.send(
         {
             "type": "written",
