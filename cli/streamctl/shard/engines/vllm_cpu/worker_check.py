@@ -86,7 +86,8 @@ class RankTally:
             return
         loaded = raw_bytes(target)
         self.hashing.append((name, target, loaded.nbytes, self.hasher.submit(sha256_hex, loaded)))
-        while len(self.hashing) > 1 or (self.hashing and (self.hashing[0][3].done() or loaded.nbytes > OVERLAP_LIMIT)):
+        large = loaded.nbytes > OVERLAP_LIMIT
+        while self.hashing and (large or len(self.hashing) > 1 or self.hashing[0][3].done()):
             self.settle()
 
     def settle(self) -> None:
